@@ -1,0 +1,21 @@
+# Two entry points, each doing its own set-up on a fresh machine: `make run`, `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh $(PY) $(VENV)
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvtier generate "Explain in two sentences why a KV cache makes decoding fast." --max-tokens 64
+
+test: $(STAMP)
+	$(BIN)/ruff check kvtier tests benchmarks
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,129 @@
+"""The device block pool: reference counts, an LRU free queue, and the prefix index.
+
+Primitives: `allocate(n)`, `free(ids)`, `lookup(keys, tokens)`, `touch(ids)`, `register(...)`.
+A free block whose key is still in the index keeps its bytes until `allocate` reuses it
+(least recently freed first), so a finished prefix stays a cache hit for as long as possible.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.cache.block import BlockKey
+
+
+@dataclass
+class PoolStats:
+    """Counters a benchmark or /metrics reads; all monotonically increasing."""
+
+    lookups: int = 0  # blocks asked for
+    hits: int = 0  # blocks found and confirmed by token ids
+    key_collisions: int = 0  # key matched but tokens did not (never served)
+    evictions: int = 0  # cached free blocks whose bytes were reused
+
+
+class BlockPool:
+    """Physical device blocks 0..num_blocks-1 and who holds them."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.key: list[BlockKey | None] = [None] * num_blocks
+        self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.index: dict[BlockKey, int] = {}
+        # Blocks with ref_cnt 0, least recently freed first; dict order is the LRU order.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.stats = PoolStats()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.index)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n blocks with ref_cnt 1, or None (and nothing taken) if fewer than n are free."""
+        if n > len(self.free_queue):
+            return None
+        ids = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+            ids.append(block_id)
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference each; pass blocks tail first so a prefix outlives its suffix."""
+        for block_id in block_ids:
+            assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                if self.key[block_id] is None:
+                    # Nothing worth keeping: reuse it before any cached block.
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None
+
+    def lookup(self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]]) -> list[int]:
+        """The longest run of leading blocks that are cached, confirmed token by token.
+
+        Takes no reference: call `touch` on the result before anything else can allocate.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for key, tokens in zip(keys, token_chunks):
+            self.stats.lookups += 1
+            block_id = self.index.get(key)
+            if block_id is None:
+                break
+            if self.tokens[block_id] != tuple(tokens):
+                self.stats.key_collisions += 1
+                break
+            hits.append(block_id)
+        self.stats.hits += len(hits)
+        return hits
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks found by `lookup` (reviving free ones)."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_cnt[block_id] += 1
+
+    def register(self, block_id: int, key: BlockKey, tokens: Sequence[int]) -> bool:
+        """Publish a full block under its key; False if another block already holds that key."""
+        if not self.enable_prefix_caching or key in self.index:
+            return False
+        assert self.key[block_id] is None, f"block {block_id} is already registered"
+        self.index[key] = block_id
+        self.key[block_id] = key
+        self.tokens[block_id] = tuple(tokens)
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        key = self.key[block_id]
+        if key is not None:
+            del self.index[key]
+            self.key[block_id] = None
+            self.tokens[block_id] = None
+            self.stats.evictions += 1
+
+    def check_invariants(self) -> None:
+        """Internal consistency, for tests: every block is either referenced or free, once."""
+        for block_id in range(self.num_blocks):
+            in_queue = block_id in self.free_queue
+            assert (self.ref_cnt[block_id] == 0) == in_queue, f"block {block_id} accounting"
+        for key, block_id in self.index.items():
+            assert self.key[block_id] == key

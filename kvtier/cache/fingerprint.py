@@ -1,0 +1,34 @@
+"""The namespace every cached block lives in: change any field and no old block can be found."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+from kvtier.cache.block import BlockKey
+
+KV_LAYOUT_VERSION = 1  # bump when the KV memory layout changes
+FORMAT_VERSION = 1  # bump when the stored block format changes
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything that decides whether cached KV bytes are valid for this engine."""
+
+    weights_digest: str
+    architecture: str  # ModelSpec.describe(): every hyperparameter that changes numerics
+    kv_dtype: str
+    block_size: int
+    tokenizer_digest: str
+    attention_backend: str = "torch-sdpa"
+    adapter: str = ""
+    kv_layout_version: int = KV_LAYOUT_VERSION
+    format_version: int = FORMAT_VERSION
+
+    def namespace(self, salt: str = "") -> BlockKey:
+        """Seed of the block-hash chain; `salt` separates tenants and per-request cache salts."""
+        h = hashlib.blake2b(digest_size=16)
+        for key, value in sorted(asdict(self).items()):
+            h.update(f"{key}={value}\x00".encode())
+        h.update(b"salt=" + salt.encode())
+        return h.digest()

@@ -1,0 +1,166 @@
+"""`kvtier generate | chat`: the command line over the LLM facade."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+from kvtier.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvtier.errors import KvtierError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine knob (`--max-num-seqs` for `max_num_seqs`), defaults from the config."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file, preset name (tiny); default: SmolLM2-135M",
+    )
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in ("model", "cache", "scheduler"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if isinstance(default, bool):
+                group.add_argument(
+                    flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction
+                )
+                continue
+            kind = {int: int, float: float, str: str}.get(type(default))
+            if kind is None:  # Optional knobs default to None
+                kind = float if "size" in f.name and f.name != "block_size" else int
+            group.add_argument(
+                flag, dest=f.name, type=kind, default=None, help=f"default: {default}"
+            )
+
+
+def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    names = {
+        f.name
+        for cls in (EngineConfig, CacheConfig, SchedulerConfig)
+        for f in dataclasses.fields(cls)
+    } - {"model", "cache", "scheduler"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from kvtier.sequence import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_sampling,
+        stop=args.stop or [],
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvtier.llm import LLM
+
+    llm = LLM(args.model, **engine_knobs(args))
+    start = time.perf_counter()
+    out = llm.generate(args.prompt, _sampling(args))[0]
+    elapsed = time.perf_counter() - start
+    decode_s = out.metrics.decode_s or 0.0
+    tps = (len(out.token_ids) - 1) / decode_s if decode_s > 0 and len(out.token_ids) > 1 else None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "ttft_s": out.metrics.ttft_s,
+                    "tokens_per_s": tps,
+                    "finish_reason": out.finish_reason,
+                    "elapsed_s": elapsed,
+                }
+            )
+        )
+    else:
+        print(out.text)
+        rate = f"{tps:.1f} tokens/s decode" if tps else "n/a"
+        print(
+            f"\n[{len(out.token_ids)} tokens, TTFT {out.metrics.ttft_s * 1e3:.0f} ms, {rate}, "
+            f"model {llm.engine.model_source}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvtier.llm import LLM
+
+    llm = LLM(args.model, **engine_knobs(args))
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvtier chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        out = llm.chat(messages, _sampling(args))[0]
+        messages.append({"role": "assistant", "content": out.text})
+        print(out.text)
+        print(
+            f"[TTFT {out.metrics.ttft_s * 1e3:.0f} ms, {out.num_cached_tokens} prompt tokens "
+            "from the prefix cache]",
+            file=sys.stderr,
+        )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--json", action="store_true", help="print text, token_ids, ttft_s, tokens_per_s"
+    )
+    _add_sampling_args(gen, 64)
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat, 256)
+    add_engine_args(chat)
+    chat.set_defaults(func=_cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvtierError as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Engine knobs as frozen dataclasses, named as vLLM and SGLang users already know them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The device KV pool: how many blocks of how many tokens, and whether prefixes are reused."""
+
+    block_size: int = 16
+    kv_cache_size: float = 1.0  # GiB of device memory for KV blocks
+    num_device_blocks: int | None = None  # an exact block count; wins over kv_cache_size
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"block_size={self.block_size} must be a power of two in 1..256")
+        if self.num_device_blocks is not None and self.num_device_blocks < 1:
+            raise ConfigError(f"num_device_blocks={self.num_device_blocks} must be >= 1")
+        if self.num_device_blocks is None and not self.kv_cache_size > 0:
+            raise ConfigError(f"kv_cache_size={self.kv_cache_size} GiB must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context, capped by the device pool
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is built from; `from_knobs` takes the flat keyword style of vLLM."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
+        self.cache.validate()
+        self.scheduler.validate()
+
+    @classmethod
+    def from_knobs(cls, model: str | None = None, **knobs: Any) -> EngineConfig:
+        """Route flat knobs (`block_size=16, max_num_seqs=8`) to the sub-config that owns them."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"cache", "scheduler"}
+        sections: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
+        owners = {
+            **{f.name: "cache" for f in dataclasses.fields(CacheConfig)},
+            **{f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)},
+            **{name: "engine" for name in own},
+        }
+        for key, value in knobs.items():
+            if key not in owners:
+                known = ", ".join(sorted(owners))
+                raise ConfigError(f"unknown engine knob {key!r}; known knobs: {known}")
+            sections[owners[key]][key] = value
+        sections["engine"].setdefault("model", model)
+        config = cls(
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            **sections["engine"],
+        )
+        config.validate()
+        return config

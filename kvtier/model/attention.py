@@ -1,0 +1,96 @@
+"""Attention over paged KV: writes this step's keys and values into their blocks, then attends.
+
+The KV memory of the whole model is one tensor, a block contiguous across layers so that a
+block moves between tiers as one large copy:
+    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+A layer reads it through the strided view kv[:, layer, 0] (keys) and kv[:, layer, 1] (values).
+This is the torch reference path (SDPA over gathered blocks); the same code runs on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence contributing several query rows: a prompt chunk, maybe after a prefix."""
+
+    row_start: int  # first row of this chunk in the step's flattened tokens
+    num_rows: int
+    start_pos: int  # position of the first row; keys [0, start_pos) are already cached
+    block_ids: torch.Tensor  # [num_blocks_of_seq] covering start_pos + num_rows tokens
+    mask: torch.Tensor | None  # [num_rows, context] bool, None when start_pos == 0 (causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the batch, built once and shared by every layer."""
+
+    slot_blocks: torch.Tensor  # [T] physical block of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    decode_rows: torch.Tensor | None  # [B] rows that are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def write_kv(
+    kv: torch.Tensor, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store this step's keys and values (k, v: [T, num_kv_heads, head_dim]) in their slots."""
+    kv[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
+    kv[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+
+
+def paged_attention(
+    kv: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]; k, v are this step's new rows."""
+    write_kv(kv, layer, meta, k, v)
+    out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    if meta.decode_rows is not None:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        b = meta.decode_rows.shape[0]
+        # keys: [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, ctx, head_dim]
+        keys = kv[meta.decode_block_tables, layer, 0].flatten(1, 2).transpose(1, 2)
+        values = kv[meta.decode_block_tables, layer, 1].flatten(1, 2).transpose(1, 2)
+        # One query token per sequence: fold the query heads of a KV group into the query axis,
+        # so grouped-query attention needs no repeated keys. qd: [B, kv_heads, group, head_dim]
+        qd = q[meta.decode_rows].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        od = F.scaled_dot_product_attention(
+            qd, keys, values, attn_mask=meta.decode_mask, scale=scale
+        )
+        out[meta.decode_rows] = od.reshape(b, num_heads, head_dim)
+    for c in meta.prefills:
+        rows = slice(c.row_start, c.row_start + c.num_rows)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, rows, head_dim]
+        if c.mask is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys = kv[c.block_ids, layer, 0].flatten(0, 1)[: c.mask.shape[1]]
+            values = kv[c.block_ids, layer, 1].flatten(0, 1)[: c.mask.shape[1]]
+        kp = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
+        vp = values.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp,
+            kp,
+            vp,
+            attn_mask=c.mask,
+            is_causal=c.mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[rows] = op.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,162 @@
+"""Drives the decoder for one engine step: owns the device, the KV memory and the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import torch
+
+from kvtier.config import EngineConfig
+from kvtier.errors import ConfigError
+from kvtier.model.attention import AttentionMetadata, PrefillChunk
+from kvtier.model.llama import build_model
+from kvtier.model.loader import LoadedModel
+from kvtier.model.sampler import Sampler, SampleResult
+from kvtier.sequence import Sequence
+
+GiB = 1 << 30
+
+
+class ScheduledChunk(Protocol):
+    """What the runner needs of a scheduled sequence (the scheduler's `ScheduledSeq`)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    """Builds the model and the paged KV memory, and turns scheduled chunks into sampled tokens."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.spec = loaded.spec
+        self.block_size = config.cache.block_size
+        model = build_model(loaded.spec)
+        model.load_weights(loaded.weights)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rope.to(torch.float32)  # the tables stay float32; the layers cast per use
+        spec = loaded.spec
+        self.block_bytes = (
+            spec.num_hidden_layers
+            * 2
+            * self.block_size
+            * spec.num_key_value_heads
+            * spec.head_dim
+            * self.dtype.itemsize
+        )
+        num_blocks = config.cache.num_device_blocks
+        if num_blocks is None:
+            num_blocks = int(config.cache.kv_cache_size * GiB // self.block_bytes)
+            if num_blocks < 1:
+                raise ConfigError(
+                    f"kv_cache_size={config.cache.kv_cache_size} GiB holds no block of "
+                    f"{self.block_bytes} bytes; raise it"
+                )
+        self.num_blocks = num_blocks
+        # kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.kv = torch.zeros(
+            num_blocks,
+            spec.num_hidden_layers,
+            2,
+            self.block_size,
+            spec.num_key_value_heads,
+            spec.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler(config.seed, self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every distinct parameter, read once per decode step (the roofline)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def execute(self, chunks: Seq[ScheduledChunk]) -> dict[str, SampleResult]:
+        """Run one step; returns the sampled token of every chunk that ends its known tokens."""
+        input_ids, positions, meta, logit_rows, samplers = self._prepare(chunks)
+        logits = self.model(input_ids, positions, self.kv, meta, logit_rows)
+        results = self.sampler.sample(
+            logits, [c.seq.request_id for c in samplers], [c.seq.params for c in samplers]
+        )
+        return {c.seq.request_id: r for c, r in zip(samplers, results)}
+
+    def _prepare(
+        self, chunks: Seq[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[ScheduledChunk]]:
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_blocks: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logit_rows: list[int] = []
+        samplers: list[ScheduledChunk] = []
+        for c in chunks:
+            row, start, n = len(ids), c.start, c.num_new_tokens
+            ids.extend(c.seq.tokens(start, start + n))
+            pos.extend(range(start, start + n))
+            slot_blocks.extend(c.block_ids[p // bs] for p in range(start, start + n))
+            context = start + n
+            used_blocks = c.block_ids[: -(-context // bs)]
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(used_blocks)
+                decode_lens.append(context)
+            else:
+                mask = None
+                if start > 0:
+                    q_pos = torch.arange(start, context, device=dev)
+                    mask = torch.arange(context, device=dev)[None, :] <= q_pos[:, None]
+                block_ids = torch.tensor(used_blocks, dtype=torch.long, device=dev)
+                prefills.append(PrefillChunk(row, n, start, block_ids, mask))
+            if c.samples:
+                logit_rows.append(row + n - 1)
+                samplers.append(c)
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor([p % bs for p in pos], dtype=torch.long, device=dev),
+            decode_rows=None,
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[
+                :, None, None, :
+            ]
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            samplers,
+        )

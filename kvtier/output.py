@@ -1,0 +1,109 @@
+"""What a finished request returns, and the stop checks that decide when it is finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.model.tokenizer import Tokenizer
+from kvtier.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request timings in seconds (TTFT from arrival; decode from first token to finish)."""
+
+    ttft_s: float | None
+    decode_s: float | None
+    queue_s: float | None
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's shape: `out.outputs[0].text`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None
+    metrics: RequestMetrics
+    finished: bool = True
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [
+            CompletionOutput(
+                0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs
+            )
+        ]
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RequestOutput:
+        t = seq.timings
+        queue_s = None if t.first_scheduled is None else t.first_scheduled - t.arrival
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            text=seq.output_text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=RequestMetrics(t.ttft_s, t.decode_s, queue_s, seq.num_preemptions),
+            finished=seq.is_finished,
+        )
+
+
+class StopChecker:
+    """Detokenizes a sequence's output and decides whether its last token ends it."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def check(self, seq: Sequence) -> bool:
+        """Update `seq.output_text`; set finish_reason and return True if the request is done."""
+        p = seq.params
+        token = seq.output_token_ids[-1]
+        previous = len(seq.output_text)
+        seq.output_text = self.tokenizer.decode(seq.output_token_ids, p.skip_special_tokens)
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return self._finish(seq, "stop", None)
+        if token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        if p.stop:
+            # A stop string can straddle tokens: search from just before the new text.
+            longest = max(len(s) for s in p.stop)
+            begin = max(0, previous - longest + 1)
+            for stop in p.stop:
+                at = seq.output_text.find(stop, begin)
+                if at >= 0:
+                    end = at + len(stop) if p.include_stop_str_in_output else at
+                    seq.output_text = seq.output_text[:end]
+                    return self._finish(seq, "stop", stop)
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", None)
+        return False
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason: int | str | None) -> bool:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        return True

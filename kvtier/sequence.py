@@ -1,0 +1,121 @@
+"""Per-request state and sampling parameters: pure bookkeeping, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvtier.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; the fields and defaults follow vLLM's."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log-probabilities of each generated token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not self.temperature >= 0.0:
+            raise RequestError(f"temperature={self.temperature!r} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k={self.top_k!r} must be -1, 0 (off) or a positive integer")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs={self.logprobs!r} must be between 0 and 20")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop={self.stop!r} must be a list of non-empty strings")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock instants of a request's life, from which TTFT and decode speed are derived."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.first_token is None or self.finished is None:
+            return None
+        return self.finished - self.first_token
+
+
+@dataclass
+class Sequence:
+    """One request: its tokens and how many of them already have KV in the cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str = ""
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the device cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
