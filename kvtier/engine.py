@@ -70,7 +70,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         params.validate()
         text, token_ids = self._tokenize(prompt)
-        if not token_ids:
+        if not token_ids or text == "":
             raise RequestError("the prompt is empty; send at least one token")
         vocab = self.spec.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]

@@ -9,6 +9,7 @@ This is the torch reference path (SDPA over gathered blocks); the same code runs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,55 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] padded with block 0
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+
+
+def build_metadata(
+    chunks: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Layout of a step from its chunks, in row order: (start position, new tokens, block ids).
+
+    A one-token chunk joins the batched decode group whatever its position; longer chunks
+    attend one by one, with a mask only when they follow cached tokens.
+    """
+    bs = block_size
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    row = 0
+    for start, n, block_ids in chunks:
+        context = start + n
+        slot_blocks.extend(block_ids[p // bs] for p in range(start, context))
+        slot_offsets.extend(p % bs for p in range(start, context))
+        used = list(block_ids[: -(-context // bs)])
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(used)
+            decode_lens.append(context)
+        else:
+            mask = None
+            if start > 0:
+                q_pos = torch.arange(start, context, device=device)
+                mask = torch.arange(context, device=device)[None, :] <= q_pos[:, None]
+            ids = torch.tensor(used, dtype=torch.long, device=device)
+            prefills.append(PrefillChunk(row, n, start, ids, mask))
+        row += n
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+        decode_rows=None, decode_block_tables=None, decode_mask=None, prefills=prefills,
+    )
+    if decode_rows:
+        width = max(len(t) for t in decode_tables)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        positions = torch.arange(width * bs, device=device)
+        meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    return meta
 
 
 def write_kv(

@@ -9,7 +9,7 @@ import torch
 
 from kvtier.config import EngineConfig
 from kvtier.errors import ConfigError
-from kvtier.model.attention import AttentionMetadata, PrefillChunk
+from kvtier.model.attention import AttentionMetadata, build_metadata
 from kvtier.model.llama import build_model
 from kvtier.model.loader import LoadedModel
 from kvtier.model.sampler import Sampler, SampleResult
@@ -93,7 +93,8 @@ class ModelRunner:
         which one row per token is read. Batch-1 decode is bound by streaming these."""
         embed = self.model.embed_tokens.weight
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return total - embed.numel() * embed.element_size() + embed[0].numel() * embed.element_size()
+        row_bytes = embed.shape[1] * embed.element_size()
+        return total - embed.shape[0] * row_bytes + row_bytes
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk]) -> dict[str, SampleResult]:
@@ -105,57 +106,24 @@ class ModelRunner:
         )
         return {c.seq.request_id: r for c, r in zip(samplers, results)}
 
-    def _prepare(
-        self, chunks: Seq[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[ScheduledChunk]]:
-        bs, dev = self.block_size, self.device
+    def _prepare(self, chunks: Seq[ScheduledChunk]) -> tuple[
+        torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[ScheduledChunk]
+    ]:
+        dev = self.device
         ids: list[int] = []
         pos: list[int] = []
-        slot_blocks: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
         logit_rows: list[int] = []
         samplers: list[ScheduledChunk] = []
         for c in chunks:
-            row, start, n = len(ids), c.start, c.num_new_tokens
+            start, n = c.start, c.num_new_tokens
             ids.extend(c.seq.tokens(start, start + n))
             pos.extend(range(start, start + n))
-            slot_blocks.extend(c.block_ids[p // bs] for p in range(start, start + n))
-            context = start + n
-            used_blocks = c.block_ids[: -(-context // bs)]
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(used_blocks)
-                decode_lens.append(context)
-            else:
-                mask = None
-                if start > 0:
-                    q_pos = torch.arange(start, context, device=dev)
-                    mask = torch.arange(context, device=dev)[None, :] <= q_pos[:, None]
-                block_ids = torch.tensor(used_blocks, dtype=torch.long, device=dev)
-                prefills.append(PrefillChunk(row, n, start, block_ids, mask))
             if c.samples:
-                logit_rows.append(row + n - 1)
+                logit_rows.append(len(ids) - 1)
                 samplers.append(c)
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=torch.tensor([p % bs for p in pos], dtype=torch.long, device=dev),
-            decode_rows=None,
-            decode_block_tables=None,
-            decode_mask=None,
-            prefills=prefills,
+        meta = build_metadata(
+            [(c.start, c.num_new_tokens, c.block_ids) for c in chunks], self.block_size, dev
         )
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[
-                :, None, None, :
-            ]
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
