@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvtier.errors import ModelLoadError
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 as the reference implementations do."""
@@ -35,7 +37,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+        raise ModelLoadError(
+            f"rope scaling type {kind!r} is not supported (default, linear, llama3)"
+        )
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))

@@ -11,8 +11,8 @@ from kvtier.model.hf import spec_from_config
 from kvtier.model.loader import LoadedModel
 from kvtier.model.presets import byte_tokenizer
 from kvtier.model.runner import ModelRunner
-from kvtier.sequence import SamplingParams, Sequence
 from kvtier.scheduler import ScheduledSeq
+from kvtier.sequence import SamplingParams, Sequence
 
 RTOL = 1e-4
 

@@ -1,0 +1,35 @@
+"""The command line as a user runs it: JSON output, and errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kvtier(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_generate_json_on_the_tiny_preset() -> None:
+    r = kvtier("generate", "hello there", "--model", "tiny", "--max-tokens", "5", "--json",
+               "--num-device-blocks", "16")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "token_ids", "ttft_s", "tokens_per_s"}
+    assert 1 <= len(out["token_ids"]) <= 5 and out["ttft_s"] > 0
+
+
+def test_missing_model_path_is_a_clear_error() -> None:
+    r = kvtier("generate", "hi", "--model", "/nowhere/model.gguf")
+    assert r.returncode == 2
+    assert "/nowhere/model.gguf" in r.stderr and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_knob_value_is_a_clear_error() -> None:
+    r = kvtier("generate", "hi", "--model", "tiny", "--block-size", "3")
+    assert r.returncode == 2 and "block_size=3" in r.stderr and "Traceback" not in r.stderr
+    r = kvtier("generate", "hi", "--model", "tiny", "--max-tokens", "0")
+    assert r.returncode == 2 and "max_tokens=0" in r.stderr
