@@ -111,13 +111,15 @@ def main() -> int:
         model=args.model, enable_prefix_caching=False, max_num_seqs=64,
         max_num_batched_tokens=2048, kv_cache_size=2.0), loaded=loaded)
     weight_bytes = engine.runner.weight_bytes_per_step
-    copy_peak = copy_peak_gbps()
+    copy_samples = [copy_peak_gbps()]
     rows: dict[str, dict[str, Any]] = {"kvtier": {}, "transformers": {}}
     for n in lengths:
         rows["kvtier"][f"prefill_{n}"] = kvtier_prefill(engine, n, repeats)
     step_s: dict[int, float] = {}
     for b in batches:
         rows["kvtier"][f"decode_b{b}"], step_s[b] = kvtier_decode(engine, b, steps)
+        if b == 1:  # the roofline right beside the measurement it judges
+            copy_samples.append(copy_peak_gbps())
     if not args.no_transformers and args.model is None:
         model = hf_model(default_model_path())
         for n in lengths:
@@ -125,11 +127,15 @@ def main() -> int:
         for b in batches:
             rows["transformers"][f"decode_b{b}"] = hf_decode(model, b, steps)
         del model
-    copy_peak = max(copy_peak, copy_peak_gbps())  # measured before and after, best kept
+    copy_samples.append(copy_peak_gbps())
+    # This VM's memory bandwidth drifts by +-20% between minutes: judge against the best copy
+    # seen in the run (the strictest roofline) and keep every sample in the JSON.
+    copy_peak = max(copy_samples)
     achieved = {name: r["decode_b1"] * weight_bytes / 1e9 for name, r in rows.items() if r}
 
     print(f"model {loaded.source}  weights/step {weight_bytes / 1e6:.0f} MB  "
-          f"threads {torch.get_num_threads()}  copy peak {copy_peak:.1f} GB/s")
+          f"threads {torch.get_num_threads()}  copy peak {copy_peak:.1f} GB/s "
+          f"(samples {', '.join(f'{c:.1f}' for c in copy_samples)})")
     print(f"{'tokens/s':<14}" + "".join(f"{name:>14}" for name in rows if rows[name]))
     for key in [f"prefill_{n}" for n in lengths] + [f"decode_b{b}" for b in batches]:
         print(f"{key:<14}" + "".join(f"{r[key]:>14.1f}" for r in rows.values() if r))
@@ -147,7 +153,7 @@ def main() -> int:
         print(f"target {name}: {'PASS' if ok else 'MISS'}")
     path = write_result("engine", {
         "model": loaded.source, "weight_bytes_per_step": weight_bytes,
-        "copy_peak_gbps": copy_peak, "tokens_per_s": rows, "decode_b1_gbps": achieved,
+        "copy_peak_gbps": copy_peak, "copy_samples_gbps": copy_samples, "tokens_per_s": rows, "decode_b1_gbps": achieved,
         "decode_step_s": step_s, "targets": targets,
     }, args.out)
     print(f"wrote {path}")

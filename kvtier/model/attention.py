@@ -2,8 +2,11 @@
 
 The KV memory of the whole model is one tensor, a block contiguous across layers so that a
 block moves between tiers as one large copy:
-    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-A layer reads it through the strided view kv[:, layer, 0] (keys) and kv[:, layer, 1] (values).
+    kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
+Within one layer a block's keys and values are one contiguous run, so a step gathers a
+layer's blocks with a single `index_select` and the keys/values of consecutive blocks line
+up as a strided view of one [tokens, 2, heads, dim] tensor: no second copy before SDPA
+(measured 0.84 ms vs 1.7 ms per layer for 32 decodes of 144 tokens, SmolLM2 shapes).
 This is the torch reference path (SDPA over gathered blocks); the same code runs on CUDA.
 """
 
@@ -92,8 +95,19 @@ def write_kv(
     kv: torch.Tensor, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """Store this step's keys and values (k, v: [T, num_kv_heads, head_dim]) in their slots."""
-    kv[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
-    kv[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+    kv[meta.slot_blocks, layer, meta.slot_offsets, 0] = k
+    kv[meta.slot_blocks, layer, meta.slot_offsets, 1] = v
+
+
+def gather_kv(kv: torch.Tensor, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+    """One layer's keys and values of the given blocks (any shape of ids), in one copy.
+
+    Returns [*block_ids.shape[:-1], num_ids_last * block_size, 2, num_kv_heads, head_dim].
+    """
+    num_blocks, _, block_size, _, heads, dim = kv.shape
+    per_layer = kv.view(num_blocks, kv.shape[1], -1)[:, layer]  # [num_blocks, bs*2*h*d]
+    rows = per_layer.index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, 2, heads, dim)
 
 
 def paged_attention(
@@ -113,9 +127,9 @@ def paged_attention(
     if meta.decode_rows is not None:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         b = meta.decode_rows.shape[0]
-        # keys: [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, ctx, head_dim]
-        keys = kv[meta.decode_block_tables, layer, 0].flatten(1, 2).transpose(1, 2)
-        values = kv[meta.decode_block_tables, layer, 1].flatten(1, 2).transpose(1, 2)
+        # gathered: [B, ctx, 2, kv_heads, head_dim]; keys, values: [B, kv_heads, ctx, head_dim]
+        gathered = gather_kv(kv, layer, meta.decode_block_tables)
+        keys, values = gathered[:, :, 0].transpose(1, 2), gathered[:, :, 1].transpose(1, 2)
         # One query token per sequence: fold the query heads of a KV group into the query axis,
         # so grouped-query attention needs no repeated keys. qd: [B, kv_heads, group, head_dim]
         qd = q[meta.decode_rows].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -129,8 +143,8 @@ def paged_attention(
         if c.mask is None:
             keys, values = k[rows], v[rows]
         else:
-            keys = kv[c.block_ids, layer, 0].flatten(0, 1)[: c.mask.shape[1]]
-            values = kv[c.block_ids, layer, 1].flatten(0, 1)[: c.mask.shape[1]]
+            gathered = gather_kv(kv, layer, c.block_ids)[: c.mask.shape[1]]
+            keys, values = gathered[:, 0], gathered[:, 1]
         kp = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
         vp = values.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(

@@ -11,12 +11,12 @@ from torch import nn
 
 from kvtier.errors import ModelLoadError
 from kvtier.model.attention import AttentionMetadata, paged_attention
-from kvtier.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from kvtier.model.layers import Linear, RMSNorm, RopeTables, RotaryEmbedding, SwiGLU, apply_rope
 from kvtier.model.spec import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = spec.num_attention_heads
@@ -29,33 +29,32 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, spec.hidden_size)
         self.scale = self.head_dim**-0.5
-        self.rope = rope
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: RopeTables, kv: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rope(rope, q, k)
         o = paged_attention(kv, self.layer, meta, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer, rope)
+        self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: RopeTables, kv: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -65,16 +64,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
         )
-        self.rope = rope
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, rope) for i in range(spec.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        # A separate [hidden, vocab] copy even when tied: the fast decode layout (see Linear).
+        # A separate copy even when tied: the fast decode layout (see Linear).
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
 
     def forward(
@@ -87,8 +83,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T]; logit_rows: [S] rows whose next-token logits are needed
         x = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         x = self.norm(x[logit_rows])
         return self.lm_head(x).float()  # [S, vocab]
 

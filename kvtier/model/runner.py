@@ -10,6 +10,7 @@ import torch
 from kvtier.config import EngineConfig
 from kvtier.errors import ConfigError
 from kvtier.model.attention import AttentionMetadata, build_metadata
+from kvtier.model.layers import Linear, RMSNorm
 from kvtier.model.llama import build_model
 from kvtier.model.loader import LoadedModel
 from kvtier.model.sampler import Sampler, SampleResult
@@ -28,6 +29,11 @@ class ScheduledChunk(Protocol):
 
     @property
     def samples(self) -> bool: ...
+
+
+def mkldnn_usable() -> bool:
+    """oneDNN is compiled into torch's CPU builds; some custom builds lack it."""
+    return bool(torch.backends.mkldnn.is_available())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -55,6 +61,10 @@ class ModelRunner:
         model = build_model(loaded.spec)
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu" and self.dtype == torch.float32 and mkldnn_usable():
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.pack()
         self.model.rope.to(torch.float32)  # the tables stay float32; the layers cast per use
         spec = loaded.spec
         self.block_bytes = (
@@ -74,12 +84,12 @@ class ModelRunner:
                     f"{self.block_bytes} bytes; raise it"
                 )
         self.num_blocks = num_blocks
-        # kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        # kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
         self.kv = torch.zeros(
             num_blocks,
             spec.num_hidden_layers,
-            2,
             self.block_size,
+            2,
             spec.num_key_value_heads,
             spec.head_dim,
             dtype=self.dtype,
@@ -89,12 +99,13 @@ class ModelRunner:
 
     @property
     def weight_bytes_per_step(self) -> int:
-        """Weight bytes a decode step must read: every parameter but the embedding table, of
-        which one row per token is read. Batch-1 decode is bound by streaming these."""
+        """Weight bytes a decode step must read: every matmul weight and norm, plus one row of
+        the embedding table per token. Batch-1 decode is bound by streaming these."""
+        linear = sum(m.weight_bytes() for m in self.model.modules() if isinstance(m, Linear))
+        norms = sum(m.weight.numel() * m.weight.element_size()
+                    for m in self.model.modules() if isinstance(m, RMSNorm))
         embed = self.model.embed_tokens.weight
-        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        row_bytes = embed.shape[1] * embed.element_size()
-        return total - embed.shape[0] * row_bytes + row_bytes
+        return linear + norms + embed.shape[1] * embed.element_size()
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk]) -> dict[str, SampleResult]:

@@ -32,8 +32,8 @@ def test_paged_attention_matches_dense(seqs: list[tuple[int, int]], seed: int) -
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // BS) for c, n in seqs]
     num_blocks = sum(need) + 3
-    # kv: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-    kv = torch.randn(num_blocks, LAYERS, 2, BS, KV_HEADS, HEAD_DIM, generator=gen)
+    # kv: [num_blocks, num_layers, block_size, 2, kv_heads, head_dim]
+    kv = torch.randn(num_blocks, LAYERS, BS, 2, KV_HEADS, HEAD_DIM, generator=gen)
     order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered physical blocks
     layer = int(torch.randint(0, LAYERS, (1,), generator=gen))
     tables, keys, values = [], [], []
@@ -42,8 +42,8 @@ def test_paged_attention_matches_dense(seqs: list[tuple[int, int]], seed: int) -
         k = torch.randn(cached + new, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(cached + new, KV_HEADS, HEAD_DIM, generator=gen)
         for p in range(cached):  # the prefix is already in its blocks
-            kv[table[p // BS], layer, 0, p % BS] = k[p]
-            kv[table[p // BS], layer, 1, p % BS] = v[p]
+            kv[table[p // BS], layer, p % BS, 0] = k[p]
+            kv[table[p // BS], layer, p % BS, 1] = v[p]
         tables.append(table)
         keys.append(k)
         values.append(v)
@@ -58,6 +58,6 @@ def test_paged_attention_matches_dense(seqs: list[tuple[int, int]], seed: int) -
         torch.testing.assert_close(out[row : row + new], ref, rtol=1e-5, atol=1e-5)
         # and the new keys and values landed in their slots
         for p in range(cached, cached + new):
-            assert torch.equal(kv[table[p // BS], layer, 0, p % BS], k[p])
-            assert torch.equal(kv[table[p // BS], layer, 1, p % BS], v[p])
+            assert torch.equal(kv[table[p // BS], layer, p % BS, 0], k[p])
+            assert torch.equal(kv[table[p // BS], layer, p % BS, 1], v[p])
         row += new
