@@ -153,7 +153,8 @@ def main() -> int:
         print(f"target {name}: {'PASS' if ok else 'MISS'}")
     path = write_result("engine", {
         "model": loaded.source, "weight_bytes_per_step": weight_bytes,
-        "copy_peak_gbps": copy_peak, "copy_samples_gbps": copy_samples, "tokens_per_s": rows, "decode_b1_gbps": achieved,
+        "copy_peak_gbps": copy_peak, "copy_samples_gbps": copy_samples,
+        "tokens_per_s": rows, "decode_b1_gbps": achieved,
         "decode_step_s": step_s, "targets": targets,
     }, args.out)
     print(f"wrote {path}")
