@@ -48,3 +48,10 @@ def tiny() -> LoadedModel:
     from kvtier.model.loader import load_model
 
     return load_model("tiny")
+
+
+def pytest_report_header() -> str:
+    import torch
+
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (gpu tests skip)"
+    return f"kvtier: torch {torch.__version__}, threads {torch.get_num_threads()}, CUDA: {cuda}"

@@ -60,12 +60,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         model = build_model(loaded.spec)
         model.load_weights(loaded.weights)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # The rope tables stay float32 (a bf16 table loses positions); the rest takes `dtype`.
+        self.model = model.to(device=self.device).eval()
+        for child in self.model.children():
+            if child is not self.model.rope:
+                child.to(dtype=self.dtype)
         if self.device.type == "cpu" and self.dtype == torch.float32 and mkldnn_usable():
             for module in self.model.modules():
                 if isinstance(module, Linear):
                     module.pack()
-        self.model.rope.to(torch.float32)  # the tables stay float32; the layers cast per use
         spec = loaded.spec
         self.block_bytes = (
             spec.num_hidden_layers
