@@ -55,6 +55,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     seed: int = 0
+    # Every token's numerics independent of batch composition and chunking (CPU only), so a
+    # restored or recomputed session matches a never-preempted one bit for bit. Costs speed.
+    batch_invariant: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

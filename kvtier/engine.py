@@ -41,7 +41,8 @@ class LLMEngine:
             kv_dtype=str(self.runner.dtype).removeprefix("torch."),
             block_size=bs,
             tokenizer_digest=self.tokenizer.digest(),
-            attention_backend=f"torch-sdpa-{self.runner.device.type}",
+            attention_backend=f"torch-sdpa-{self.runner.device.type}"
+            + ("-invariant" if config.batch_invariant else ""),
         )
         self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)
         context = config.scheduler.max_model_len or loaded.spec.max_position_embeddings

@@ -8,6 +8,14 @@ layer's blocks with a single `index_select` and the keys/values of consecutive b
 up as a strided view of one [tokens, 2, heads, dim] tensor: no second copy before SDPA
 (measured 0.84 ms vs 1.7 ms per layer for 32 decodes of 144 tokens, SmolLM2 shapes).
 This is the torch reference path (SDPA over gathered blocks); the same code runs on CUDA.
+
+Batch-invariant mode (`build_metadata(..., invariant=True)`, CPU): a token's attention output
+must not depend on what else is in the step, nor on whether it is computed in a prefill, a
+chunk or a decode, or the tier's "restored equals never offloaded" cannot be tested. torch's
+CPU flash kernel picks its query and key blocking from the lengths it is given, so every
+chunk is attended alone with its query rows padded to a multiple of 16 and its keys padded
+to a multiple of 512 (masked): measured bit-identical for any chunking, at the price of
+reading padded keys.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ class PrefillChunk:
     start_pos: int  # position of the first row; keys [0, start_pos) are already cached
     block_ids: torch.Tensor  # [num_blocks_of_seq] covering start_pos + num_rows tokens
     mask: torch.Tensor | None  # [num_rows, context] bool, None when start_pos == 0 (causal)
+    # Batch-invariant mode only: the chunk's rows padded (last row repeated) to a multiple of
+    # INVARIANT_QUERY_TILE; mask then covers those rows and keys padded to INVARIANT_KEY_TILE.
+    query_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -42,13 +53,37 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+INVARIANT_QUERY_TILE = 16
+INVARIANT_KEY_TILE = 512
+
+
+def _invariant_chunk(
+    row: int, start: int, n: int, block_ids: Sequence[int], block_size: int, device: torch.device
+) -> PrefillChunk:
+    """A chunk shaped so the kernel blocks it the same way whatever its length (module doc)."""
+    context = start + n
+    keys = -(-context // INVARIANT_KEY_TILE) * INVARIANT_KEY_TILE
+    rows = -(-n // INVARIANT_QUERY_TILE) * INVARIANT_QUERY_TILE
+    used = list(block_ids[: -(-context // block_size)])
+    padded_blocks = used + [used[0]] * (keys // block_size - len(used))  # masked, never read
+    offsets = [min(i, n - 1) for i in range(rows)]
+    q_pos = torch.tensor([start + i for i in offsets], device=device)
+    mask = torch.arange(keys, device=device)[None, :] <= q_pos[:, None]
+    return PrefillChunk(
+        row, n, start, torch.tensor(padded_blocks, dtype=torch.long, device=device), mask,
+        query_rows=torch.tensor([row + i for i in offsets], dtype=torch.long, device=device),
+    )
+
+
 def build_metadata(
-    chunks: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device
+    chunks: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device,
+    invariant: bool = False,
 ) -> AttentionMetadata:
     """Layout of a step from its chunks, in row order: (start position, new tokens, block ids).
 
     A one-token chunk joins the batched decode group whatever its position; longer chunks
-    attend one by one, with a mask only when they follow cached tokens.
+    attend one by one, with a mask only when they follow cached tokens. With `invariant`,
+    every chunk attends alone in the batch-invariant shape.
     """
     bs = block_size
     slot_blocks: list[int] = []
@@ -63,7 +98,9 @@ def build_metadata(
         slot_blocks.extend(block_ids[p // bs] for p in range(start, context))
         slot_offsets.extend(p % bs for p in range(start, context))
         used = list(block_ids[: -(-context // bs)])
-        if n == 1:
+        if invariant:
+            prefills.append(_invariant_chunk(row, start, n, block_ids, bs, device))
+        elif n == 1:
             decode_rows.append(row)
             decode_tables.append(used)
             decode_lens.append(context)
@@ -139,6 +176,9 @@ def paged_attention(
         out[meta.decode_rows] = od.reshape(b, num_heads, head_dim)
     for c in meta.prefills:
         rows = slice(c.row_start, c.row_start + c.num_rows)
+        if c.query_rows is not None:
+            out[rows] = _invariant_attention(kv, layer, c, q, scale)
+            continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, rows, head_dim]
         if c.mask is None:
             keys, values = k[rows], v[rows]
@@ -158,3 +198,17 @@ def paged_attention(
         )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def _invariant_attention(
+    kv: torch.Tensor, layer: int, c: PrefillChunk, q: torch.Tensor, scale: float
+) -> torch.Tensor:
+    assert c.query_rows is not None and c.mask is not None
+    qp = q[c.query_rows].transpose(0, 1).unsqueeze(0)  # [1, heads, padded rows, head_dim]
+    gathered = gather_kv(kv, layer, c.block_ids)  # [padded keys, 2, kv_heads, head_dim]
+    kp = gathered[:, 0].transpose(0, 1).unsqueeze(0)
+    vp = gathered[:, 1].transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=c.mask, scale=scale, enable_gqa=qp.shape[1] != kp.shape[1]
+    )
+    return o[0, :, : c.num_rows].transpose(0, 1)

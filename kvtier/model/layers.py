@@ -109,6 +109,9 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # Batch-invariant mode sets 2: oneDNN computes a lone row with a different kernel
+        # than 2+ rows, whose per-row results do not depend on the row count.
+        self.min_rows = 1
 
     def pack(self) -> None:
         """Reorder the weight (and bias) for oneDNN; the plain copy is released."""
@@ -126,6 +129,9 @@ class Linear(nn.Module):
         return (n + (0 if self.packed[1] is None else self.out_features)) * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] < self.min_rows:
+            pad = x[-1:].expand(self.min_rows - x.shape[0], -1)
+            return self.forward(torch.cat([x, pad]))[: x.shape[0]]
         if self.packed is not None:
             weight, bias = self.packed
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

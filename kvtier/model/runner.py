@@ -65,6 +65,16 @@ class ModelRunner:
         for child in self.model.children():
             if child is not self.model.rope:
                 child.to(dtype=self.dtype)
+        self.batch_invariant = config.batch_invariant
+        if self.batch_invariant:
+            if self.device.type != "cpu":
+                raise ConfigError(
+                    "batch_invariant=True is implemented for the CPU kernels only; "
+                    "use device='cpu' or turn it off"
+                )
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.min_rows = 2
         if self.device.type == "cpu" and self.dtype == torch.float32 and mkldnn_usable():
             for module in self.model.modules():
                 if isinstance(module, Linear):
@@ -136,7 +146,8 @@ class ModelRunner:
                 logit_rows.append(len(ids) - 1)
                 samplers.append(c)
         meta = build_metadata(
-            [(c.start, c.num_new_tokens, c.block_ids) for c in chunks], self.block_size, dev
+            [(c.start, c.num_new_tokens, c.block_ids) for c in chunks], self.block_size, dev,
+            invariant=self.batch_invariant,
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -26,8 +26,11 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int]) -
 @given(
     seqs=st.lists(st.tuples(st.integers(0, 23), st.integers(1, 9)), min_size=1, max_size=5),
     seed=st.integers(0, 10_000),
+    invariant=st.booleans(),
 )
-def test_paged_attention_matches_dense(seqs: list[tuple[int, int]], seed: int) -> None:
+def test_paged_attention_matches_dense(
+    seqs: list[tuple[int, int]], seed: int, invariant: bool
+) -> None:
     # each sequence: (tokens already cached, new tokens this step); new == 1 is a decode
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // BS) for c, n in seqs]
@@ -48,7 +51,8 @@ def test_paged_attention_matches_dense(seqs: list[tuple[int, int]], seed: int) -
         keys.append(k)
         values.append(v)
     q = torch.randn(sum(n for _, n in seqs), HEADS, HEAD_DIM, generator=gen)
-    meta = build_metadata([(c, n, t) for (c, n), t in zip(seqs, tables)], BS, torch.device("cpu"))
+    chunks = [(c, n, t) for (c, n), t in zip(seqs, tables)]
+    meta = build_metadata(chunks, BS, torch.device("cpu"), invariant=invariant)
     new_k = torch.cat([k[c:] for (c, _), k in zip(seqs, keys)])
     new_v = torch.cat([v[c:] for (c, _), v in zip(seqs, values)])
     out = paged_attention(kv, layer, meta, q, new_k, new_v, HEAD_DIM**-0.5)
