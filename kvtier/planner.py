@@ -1,0 +1,117 @@
+"""Restore or recompute: the one piece of arithmetic the tier is betting on.
+
+    restore_s   = kv_bytes / link_bytes_per_s + per_transfer_overhead_s
+    recompute_s = tokens / prefill_tokens_per_s
+
+`kvtier plan` (offline, hardware presets) and the scheduler (online, calibrated at start and
+updated from every real transfer and prefill) share this class, so the prediction and the
+decision can never disagree. Every decision's prediction is kept beside what then happened,
+so the planner's error is reported, not assumed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+Choice = Literal["restore", "recompute"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    choice: Choice
+    restore_s: float
+    recompute_s: float
+    tokens: int
+    nbytes: int
+
+
+@dataclass
+class Calibration:
+    """The three numbers the arithmetic needs; EMA-updated from observations."""
+
+    link_gbps: float  # 1e9 bytes per second, host -> device
+    transfer_overhead_s: float  # fixed cost of one load job (submit, sync, bookkeeping)
+    prefill_tokens_per_s: float
+
+
+@dataclass
+class Observation:
+    kind: Literal["restore", "recompute"]
+    predicted_s: float
+    actual_s: float
+
+    @property
+    def relative_error(self) -> float:
+        return abs(self.predicted_s - self.actual_s) / max(self.actual_s, 1e-9)
+
+
+@dataclass
+class Planner:
+    calibration: Calibration
+    smoothing: float = 0.2  # weight of a new observation in the running estimates
+    history: list[Observation] = field(default_factory=list)
+    max_history: int = 10_000
+
+    def restore_s(self, nbytes: int) -> float:
+        c = self.calibration
+        return nbytes / (c.link_gbps * 1e9) + c.transfer_overhead_s
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens / self.calibration.prefill_tokens_per_s
+
+    def decide(self, tokens: int, nbytes: int, mode: str = "auto") -> Decision:
+        """`mode` is the user's preemption_mode: auto compares; swap/recompute force a side."""
+        restore, recompute = self.restore_s(nbytes), self.recompute_s(tokens)
+        if mode == "swap":
+            choice: Choice = "restore"
+        elif mode == "recompute":
+            choice = "recompute"
+        else:
+            choice = "restore" if restore < recompute else "recompute"
+        return Decision(choice, restore, recompute, tokens, nbytes)
+
+    def crossover_tokens(self, bytes_per_token: float) -> float | None:
+        """Tokens above which restoring beats recomputing (None: restore always wins or never)."""
+        c = self.calibration
+        per_token_gain = 1 / c.prefill_tokens_per_s - bytes_per_token / (c.link_gbps * 1e9)
+        if per_token_gain <= 0:
+            return None
+        return c.transfer_overhead_s / per_token_gain
+
+    def observe_transfer(self, nbytes: int, seconds: float, predicted_s: float | None = None
+                         ) -> None:
+        """A finished load: refine the link estimate, and score the prediction if one was made."""
+        if predicted_s is not None:
+            self._record(Observation("restore", predicted_s, seconds))
+        useful = seconds - self.calibration.transfer_overhead_s
+        if nbytes > 0 and useful > 0:
+            self.calibration.link_gbps = self._blend(self.calibration.link_gbps,
+                                                     nbytes / useful / 1e9)
+
+    def observe_prefill(self, tokens: int, seconds: float, predicted_s: float | None = None
+                        ) -> None:
+        if predicted_s is not None:
+            self._record(Observation("recompute", predicted_s, seconds))
+        if tokens > 0 and seconds > 0:
+            self.calibration.prefill_tokens_per_s = self._blend(
+                self.calibration.prefill_tokens_per_s, tokens / seconds)
+
+    def _blend(self, old: float, new: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * new
+
+    def _record(self, obs: Observation) -> None:
+        self.history.append(obs)
+        if len(self.history) > self.max_history:
+            del self.history[: len(self.history) - self.max_history]
+
+    def error_report(self) -> dict[str, dict[str, float | int]]:
+        """Per kind: count, median and p90 relative error of predicted vs measured seconds."""
+        report: dict[str, dict[str, float | int]] = {}
+        for kind in ("restore", "recompute"):
+            errs = sorted(o.relative_error for o in self.history if o.kind == kind)
+            if errs:
+                report[kind] = {"count": len(errs), "median_rel_error": statistics.median(errs),
+                                "p90_rel_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))]}
+        return report
