@@ -3,49 +3,36 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 from typing import Any
 
-from kvtier.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvtier.config import knob_fields
 from kvtier.errors import KvtierError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine knob (`--max-num-seqs` for `max_num_seqs`), defaults from the config."""
     group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="HF directory, .gguf file, preset name (tiny); default: SmolLM2-135M",
-    )
-    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
-        for f in dataclasses.fields(cls):
-            if f.name in ("model", "cache", "scheduler"):
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            if isinstance(default, bool):
-                group.add_argument(
-                    flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction
-                )
-                continue
-            kind = {int: int, float: float, str: str}.get(type(default))
-            if kind is None:  # Optional knobs default to None
-                kind = float if "size" in f.name and f.name != "block_size" else int
-            group.add_argument(
-                flag, dest=f.name, type=kind, default=None, help=f"default: {default}"
-            )
+    group.add_argument("--model", default=None,
+                       help="HF directory, .gguf file, preset name (tiny); default: SmolLM2-135M")
+    for f in knob_fields():
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, default=None,
+                               action=argparse.BooleanOptionalAction)
+            continue
+        parse = float if kind.startswith("float") else int if kind.startswith("int") else str
+        group.add_argument(flag, dest=f.name, type=parse, default=None,
+                           help=f"default: {f.default}")
 
 
 def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {
-        f.name
-        for cls in (EngineConfig, CacheConfig, SchedulerConfig)
-        for f in dataclasses.fields(cls)
-    } - {"model", "cache", "scheduler"}
+    names = {f.name for f in knob_fields()} - {"model"}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

@@ -47,6 +47,56 @@ class SchedulerConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
 
 
+WRITE_POLICIES = ("write_through", "write_back")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+LOAD_MODES = ("async", "layerwise")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The host-memory KV tier: off until it is given a size, as in vLLM."""
+
+    kv_offloading_size: float = 0.0  # GiB of host memory (pinned on CUDA); 0 = off
+    kv_offloading_backend: str = "native"
+    kv_write_policy: str = "write_through"  # finished prefixes go down at finish, or on eviction
+    eviction_policy: str = "lru"  # host tier: lru | arc
+    idle_offload_s: float = 0.0  # demote cached blocks idle this long even without pressure; 0=off
+    preemption_mode: str = "auto"  # auto: the planner picks swap or recompute per sequence
+    load_mode: str = "async"  # async: wait for the whole load; layerwise: overlap with compute
+    max_load_tokens: int | None = None  # per request; the rest is recomputed
+    max_offload_tokens: int | None = None  # per request
+    blocks_per_chunk: int = 16
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_offloading_size > 0
+
+    def validate(self) -> None:
+        if self.kv_offloading_size < 0:
+            raise ConfigError(
+                f"kv_offloading_size={self.kv_offloading_size} GiB must be >= 0 (0 = off)"
+            )
+        if self.kv_offloading_backend != "native":
+            raise ConfigError(
+                f"kv_offloading_backend={self.kv_offloading_backend!r}: only 'native' exists"
+            )
+        for name, value, choices in (
+            ("kv_write_policy", self.kv_write_policy, WRITE_POLICIES),
+            ("preemption_mode", self.preemption_mode, PREEMPTION_MODES),
+            ("load_mode", self.load_mode, LOAD_MODES),
+        ):
+            if value not in choices:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        if self.idle_offload_s < 0:
+            raise ConfigError(f"idle_offload_s={self.idle_offload_s} must be >= 0 (0 = off)")
+        for name, cap in (("max_load_tokens", self.max_load_tokens),
+                          ("max_offload_tokens", self.max_offload_tokens)):
+            if cap is not None and cap < 0:
+                raise ConfigError(f"{name}={cap} must be >= 0")
+        if self.blocks_per_chunk < 1:
+            raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from; `from_knobs` takes the flat keyword style of vLLM."""
@@ -60,6 +110,7 @@ class EngineConfig:
     batch_invariant: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,17 +119,16 @@ class EngineConfig:
             raise ConfigError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         self.cache.validate()
         self.scheduler.validate()
+        self.offload.validate()
 
     @classmethod
     def from_knobs(cls, model: str | None = None, **knobs: Any) -> EngineConfig:
         """Route flat knobs (`block_size=16, max_num_seqs=8`) to the sub-config that owns them."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"cache", "scheduler"}
-        sections: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
-        owners = {
-            **{f.name: "cache" for f in dataclasses.fields(CacheConfig)},
-            **{f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)},
-            **{name: "engine" for name in own},
-        }
+        own = {f.name for f in dataclasses.fields(cls)} - set(SECTIONS)
+        sections: dict[str, dict[str, Any]] = {name: {} for name in (*SECTIONS, "engine")}
+        owners = {name: "engine" for name in own}
+        for section, section_cls in SECTIONS.items():
+            owners.update({f.name: section for f in dataclasses.fields(section_cls)})
         for key, value in knobs.items():
             if key not in owners:
                 known = ", ".join(sorted(owners))
@@ -86,9 +136,19 @@ class EngineConfig:
             sections[owners[key]][key] = value
         sections["engine"].setdefault("model", model)
         config = cls(
-            cache=CacheConfig(**sections["cache"]),
-            scheduler=SchedulerConfig(**sections["scheduler"]),
+            **{name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()},
             **sections["engine"],
         )
         config.validate()
         return config
+
+
+SECTIONS: dict[str, type] = {
+    "cache": CacheConfig, "scheduler": SchedulerConfig, "offload": OffloadConfig,
+}
+
+
+def knob_fields() -> list[dataclasses.Field[Any]]:
+    """Every flat knob, in a stable order (engine first), for the CLI and the server."""
+    engine = [f for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
+    return engine + [f for cls in SECTIONS.values() for f in dataclasses.fields(cls)]

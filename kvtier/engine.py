@@ -1,6 +1,7 @@
-"""LLMEngine: one `step()` = schedule -> run the model -> postprocess.
+"""LLMEngine: one `step()` = reap transfers -> schedule -> submit transfers -> run -> postprocess.
 
 Requests enter with `add_request`, leave as `RequestOutput`s from `step()` when finished.
+With `kv_offloading_size > 0` a host tier sits under the device pool (`TransferDriver`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker
 from kvtier.scheduler import Scheduler, SchedulerOutput
 from kvtier.sequence import SamplingParams, Sequence
+from kvtier.transfer_driver import TransferDriver
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -47,9 +49,15 @@ class LLMEngine:
         self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)
         context = config.scheduler.max_model_len or loaded.spec.max_position_embeddings
         self.max_model_len = min(context, self.runner.num_blocks * bs)
+        self.tier: TransferDriver | None = None
+        if config.offload.enabled:
+            self.tier = TransferDriver.build(config, self.runner, self.pool)
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, bs, max_model_len=self.max_model_len
+            config.scheduler, self.pool, bs, max_model_len=self.max_model_len,
+            offload=self.tier.offload if self.tier else None,
         )
+        if self.tier is not None:
+            self.tier.scheduler = self.scheduler
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
         self._namespaces: dict[str, BlockKey] = {}
         self._ids = itertools.count()
@@ -107,21 +115,45 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that finished in it."""
+        tier = self.tier
+        if tier is not None:
+            tier.reap()
         batch = self.scheduler.schedule()
+        if tier is not None:
+            tier.submit(batch.transfers)
         if not batch:
+            if tier is not None:
+                tier.wait_any()  # blocked on a swap's store or a wake's load
             return []
-        sampled = self.runner.execute(batch.scheduled)
-        return self._postprocess(batch, sampled)
+        start = time.perf_counter()
+        sampled = self.runner.execute(batch.scheduled, tier.layer_barrier(batch) if tier else None)
+        void = tier.finish_layerwise(batch) if tier is not None else set()
+        self._observe_prefill(batch, time.perf_counter() - start)
+        outputs = self._postprocess(batch, sampled, void)
+        if tier is not None:
+            tier.submit(tier.offload.take_jobs())  # write-through of what just finished
+        return outputs
+
+    def _observe_prefill(self, batch: SchedulerOutput, seconds: float) -> None:
+        """Score and refine the planner's recompute estimate on steps that are mostly prefill."""
+        if self.tier is None:
+            return
+        prefill = sum(s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1)
+        if prefill >= 64 and prefill >= 0.9 * batch.num_batched_tokens:
+            planner = self.tier.offload.planner
+            planner.observe_prefill(prefill, seconds, planner.recompute_s(prefill))
 
     def _postprocess(
-        self, batch: SchedulerOutput, sampled: dict[str, SampleResult]
+        self, batch: SchedulerOutput, sampled: dict[str, SampleResult], void: set[str]
     ) -> list[RequestOutput]:
-        self.scheduler.update(batch, {rid: r.token_id for rid, r in sampled.items()})
+        self.scheduler.update(
+            batch, {rid: r.token_id for rid, r in sampled.items() if rid not in void}, void
+        )
         now = time.perf_counter()
         done: list[Sequence] = []
         for s in batch.scheduled:
             result = sampled.get(s.seq.request_id)
-            if result is None:
+            if result is None or s.seq.request_id in void:
                 continue
             seq = s.seq
             if seq.timings.first_token is None:
@@ -135,6 +167,11 @@ class LLMEngine:
         for seq in done:
             self.runner.sampler.forget(seq.request_id)
         return [RequestOutput.of(seq) for seq in done]
+
+    def close(self) -> None:
+        """Stop the transfer worker; pending transfers fail (their sequences recompute)."""
+        if self.tier is not None:
+            self.tier.close()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
@@ -151,7 +188,8 @@ class LLMEngine:
         idle_steps = 0
         while wanted - done.keys():
             outputs = self.step()
-            idle_steps = 0 if outputs or self.scheduler.running else idle_steps + 1
+            busy = self.scheduler.running or (self.tier is not None and self.tier.busy)
+            idle_steps = 0 if outputs or busy else idle_steps + 1
             assert idle_steps < 3, "scheduler made no progress"
             for out in outputs:
                 if out.request_id in wanted:

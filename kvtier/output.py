@@ -16,6 +16,7 @@ class RequestMetrics:
     decode_s: float | None
     queue_s: float | None
     num_preemptions: int
+    restore_s: float = 0.0  # wall time of this request's host -> device loads
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,14 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None
-    num_cached_tokens: int
+    num_cached_tokens: int  # prompt tokens found on the device (prefix cache)
     logprobs: list[dict[int, float]] | None
     metrics: RequestMetrics
     finished: bool = True
+    residency: str = "new"  # where the prior state lived: resident | host | recomputed | new
+    num_restored_tokens: int = 0  # loaded from the host tier
+    num_recomputed_tokens: int = 0  # state that existed but was computed again
+    restore_bytes: int = 0
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -66,8 +71,11 @@ class RequestOutput:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            metrics=RequestMetrics(t.ttft_s, t.decode_s, queue_s, seq.num_preemptions),
-            finished=seq.is_finished,
+            metrics=RequestMetrics(t.ttft_s, t.decode_s, queue_s, seq.num_preemptions,
+                                   seq.restore_s),
+            finished=seq.is_finished, residency=seq.residency,
+            num_restored_tokens=seq.num_restored_tokens,
+            num_recomputed_tokens=seq.num_recomputed_tokens, restore_bytes=seq.restore_bytes,
         )
 
 

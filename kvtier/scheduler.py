@@ -1,10 +1,15 @@
 """Continuous batching: which sequences run this step, with how many tokens each.
 
-Primitives: `add(seq)`, `schedule() -> SchedulerOutput`, `update(output, sampled)`, `abort(id)`.
+Primitives: `add(seq)`, `schedule() -> SchedulerOutput`, `update(output, sampled)`,
+`finish(seqs)`, `abort(id)`, `load_done(result)`.
 Policy (as in vLLM V1): running sequences first, in arrival order, each taking its remaining
 prompt chunk or one decode token from a shared token budget; when the pool runs dry the most
-recently arrived running sequence is preempted (its blocks freed, recomputed later); waiting
-sequences are admitted FCFS only in a step that preempted nobody. Bookkeeping only: no tensors.
+recently arrived running sequence is preempted; waiting sequences are admitted FCFS only in
+a step that preempted nobody. With a host tier (`HostOffload`), admission continues the
+prefix lookup past the device into host memory and restores what the planner says is cheaper
+to load than to recompute; a preempted sequence is swapped out whole (partial last block
+included) when restoring it beats recomputing it; finished prefixes are written down.
+Bookkeeping only: no tensors.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from kvtier.cache.block import BlockKey
+from kvtier.admission import AdmissionPlan, plan_admission
+from kvtier.cache.block import BlockKey, Residency
 from kvtier.cache.block_pool import BlockPool
 from kvtier.cache.kv_cache import KVCacheManager
-from kvtier.config import SchedulerConfig
-from kvtier.sequence import Sequence, SequenceStatus
+from kvtier.config import OffloadConfig, SchedulerConfig
+from kvtier.offload import BlockTransfer, HostOffload, LoadDone, swap_key
+from kvtier.sequence import Sequence, SequenceStatus, SwapState
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     block_ids: list[int]
+    wait_ref: int | None = None  # a layerwise load the model must wait on, layer by layer
 
     @property
     def samples(self) -> bool:
@@ -40,6 +48,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    transfers: list[BlockTransfer] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -52,27 +61,33 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_swaps: int = 0  # preemptions whose KV went to host
+    num_recompute_preemptions: int = 0
     num_steps: int = 0
 
 
 class Scheduler:
-    """Owns the waiting and running queues and drives the KV cache manager."""
+    """Owns the waiting and running queues and drives the KV cache manager and the tier."""
 
     def __init__(
         self,
         config: SchedulerConfig,
         pool: BlockPool,
         block_size: int,
-        namespace_of: dict[str, BlockKey] | None = None,
         max_model_len: int | None = None,
+        offload: HostOffload | None = None,
     ) -> None:
         self.config = config
         self.kv = KVCacheManager(pool, block_size)
         self.block_size = block_size
         self.max_model_len = max_model_len or config.max_model_len or pool.num_blocks * block_size
+        self.offload = offload
+        self.offload_config = offload.config if offload else OffloadConfig()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.namespaces: dict[str, BlockKey] = namespace_of if namespace_of is not None else {}
+        self.loading: dict[str, Sequence] = {}  # request id -> sequence whose load is in flight
+        self._restore_plan: dict[str, AdmissionPlan] = {}
+        self.namespaces: dict[str, BlockKey] = {}
         self.stats = SchedulerStats()
 
     def add(self, seq: Sequence, namespace: BlockKey) -> None:
@@ -80,69 +95,183 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.stats.num_steps += 1
+        if self.offload is not None:
+            self.offload.demote_idle(time.monotonic())
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(self._scheduled(seq, n))
-                budget -= n
+            if seq.loading is not None:  # its blocks are still arriving (async load)
                 i += 1
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + n, out):
+                break
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+            i += 1
         if not out.preempted:
             self._admit(out, budget)
+        if self.offload is not None:
+            self.offload.write_back(self.config.max_num_batched_tokens // self.block_size + 1)
+            out.transfers = self.offload.take_jobs()
         return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate `seq`'s slots, preempting from the back; False if `seq` cannot run now."""
+        while not self.kv.allocate_slots(seq.request_id, num_tokens):
+            victims = [s for s in self.running if s.loading is None]
+            victim = victims[-1]  # `seq` itself is always a candidate
+            self.running.remove(victim)
+            swapped = self._preempt(victim, out)
+            if victim is seq or swapped:
+                # A swapped victim's blocks come free when its store completes: next step.
+                return False
+        return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = None
-            if seq.num_computed_tokens == 0:
-                prefix = self.kv.find_cached_prefix(self.namespaces[seq.request_id], seq.token_ids)
-            start = prefix.num_tokens if prefix else seq.num_computed_tokens
-            n = min(seq.num_tokens - start, budget)
-            if not self.kv.allocate_slots(seq.request_id, start + n, prefix):
+            plan = plan_admission(
+                seq, self.kv, self.namespaces[seq.request_id], self.offload, self.block_size
+            )
+            layerwise = self.offload_config.load_mode == "layerwise"
+            waits = bool(plan.load_keys) and not layerwise
+            n = 0 if waits else min(seq.num_tokens - plan.start, budget)
+            if not self.kv.allocate_slots(seq.request_id, plan.start + n, plan.prefix):
                 break
             self.waiting.popleft()
-            if prefix is not None:
-                seq.num_computed_tokens = start
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = start
+            self._apply(seq, plan, layerwise)
             seq.status = SequenceStatus.RUNNING
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = time.perf_counter()
             self.running.append(seq)
-            out.scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            if n:
+                out.scheduled.append(self._scheduled(seq, n))
+                budget -= n
+
+    def _apply(self, seq: Sequence, plan: AdmissionPlan, layerwise: bool) -> None:
+        """Record the plan on the sequence and its table; start its load if there is one."""
+        first = seq.timings.first_token is None and seq.num_preemptions == 0
+        if first:
+            seq.num_cached_tokens = plan.prefix.num_tokens
+            seq.residency = plan.residency
+        seq.num_computed_tokens = plan.start
+        seq.num_recomputed_tokens += plan.declined_tokens
+        if plan.load_keys:
+            self._start_load(seq, plan, layerwise)
+        if plan.swap_state_done and seq.swapped is not None:
+            if self.offload is not None:
+                self.offload.forget(seq.swapped.keys)  # pinned (loading) keys are kept
+            seq.swapped = None
+
+    def _start_load(self, seq: Sequence, plan: AdmissionPlan, layerwise: bool) -> None:
+        assert self.offload is not None and plan.decision is not None
+        table = self.kv.tables[seq.request_id]
+        d = len(plan.prefix.block_ids)
+        blocks = table.block_ids[d : d + len(plan.load_keys)]
+        for i in range(d, d + len(plan.load_keys)):
+            table.residency[i] = Residency.IN_FLIGHT
+        table.keys.extend(plan.content_keys)
+        seq.loading = self.offload.load(
+            seq.request_id, plan.load_keys, blocks, layerwise, plan.decision.restore_s
+        )
+        seq.num_restored_tokens += plan.restored_tokens
+        seq.restore_bytes += len(blocks) * self.offload.block_bytes
+        self.loading[seq.request_id] = seq
+        self._restore_plan[seq.request_id] = plan
+
+    def load_done(self, done: LoadDone) -> bool:
+        """Apply a finished load; returns False if it failed (the tokens will be recomputed)."""
+        seq = self.loading.pop(done.request_id)
+        plan = self._restore_plan.pop(done.request_id)
+        seq.loading = None
+        table = self.kv.tables.get(seq.request_id)
+        d = len(plan.prefix.block_ids)
+        if table is None or seq.is_finished:  # aborted while loading: release now
+            self.kv.free(seq.request_id)
+            return done.success
+        seq.restore_s += done.seconds
+        for i in range(d, d + len(plan.load_keys)):
+            table.residency[i] = Residency.DEVICE if done.success else Residency.NONE
+        if done.success:
+            return True
+        # A failed load is a miss, never a load: recompute from the end of the device prefix.
+        del table.keys[d:]
+        table.num_registered = min(table.num_registered, d)
+        seq.num_computed_tokens = plan.prefix.num_tokens
+        seq.num_restored_tokens -= plan.restored_tokens
+        seq.num_recomputed_tokens += plan.restored_tokens
+        seq.restore_bytes -= len(plan.load_keys) * (self.offload.block_bytes if self.offload else 0)
+        if seq.residency == "host" and seq.num_restored_tokens == 0:
+            seq.residency = "recomputed"
+        return False
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         table = self.kv.tables[seq.request_id]
-        return ScheduledSeq(seq, seq.num_computed_tokens, n, table.block_ids)
+        wait = seq.loading if seq.loading is not None else None
+        return ScheduledSeq(seq, seq.num_computed_tokens, n, table.block_ids, wait)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute-style preemption: drop the KV, requeue at the front of the line."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Free a running sequence's blocks; swap its KV to host first when that is cheaper
+        than recomputing it. Returns whether it was swapped."""
+        swapped = self._swap_out(seq)
         self.kv.free(seq.request_id)
+        if swapped:
+            self.stats.num_swaps += 1
+        else:
+            seq.num_recomputed_tokens += seq.num_computed_tokens
+            self.stats.num_recompute_preemptions += 1
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.stats.num_preemptions += 1
+        return swapped
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance computed counts and publish newly full blocks; append sampled tokens."""
+    def _swap_out(self, seq: Sequence) -> bool:
+        offload, computed = self.offload, seq.num_computed_tokens
+        if offload is None or computed == 0:
+            return False
+        cap = self.offload_config.max_offload_tokens
+        if cap is not None and computed > cap:
+            return False
+        bs = self.block_size
+        table = self.kv.tables[seq.request_id]
+        nfull, nblocks = computed // bs, -(-computed // bs)
+        decision = offload.planner.decide(
+            computed, nblocks * offload.block_bytes, self.offload_config.preemption_mode
+        )
+        if decision.choice == "recompute":
+            return False
+        keys = list(table.keys[:nfull])
+        tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(nfull)]
+        if computed % bs:
+            keys.append(swap_key(seq.request_id, nfull))
+            tokens.append(seq.tokens(nfull * bs, computed))
+        if len(keys) != nblocks or not offload.store(table.block_ids[:nblocks], keys, tokens):
+            return False
+        seq.swapped = SwapState(keys, tokens, computed)
+        return True
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        void: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
+        """Advance computed counts and publish newly full blocks; append sampled tokens.
+        Sequences in `void` (their layerwise load failed) keep nothing from this step."""
         for s in out.scheduled:
             seq = s.seq
+            if seq.request_id in void:
+                continue
             seq.num_computed_tokens = s.start + s.num_new_tokens
             token = sampled.get(seq.request_id)
             if token is not None:
@@ -155,13 +284,33 @@ class Scheduler:
             )
 
     def finish(self, seqs: Seq[Sequence]) -> None:
-        """Release finished sequences' blocks (they stay in the prefix cache until reused)."""
+        """Release finished sequences' blocks (they stay in the prefix cache until reused),
+        writing their full blocks down to host first under `write_through`."""
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             if seq in self.running:
                 self.running.remove(seq)
+            if seq.request_id in self.loading:
+                continue  # its blocks are being written: released when the load lands
+            self._write_through(seq)
+            if seq.swapped is not None and self.offload is not None:
+                self.offload.forget(seq.swapped.keys)
             self.kv.free(seq.request_id)
             self.namespaces.pop(seq.request_id, None)
+
+    def _write_through(self, seq: Sequence) -> None:
+        table = self.kv.tables.get(seq.request_id)
+        if self.offload is None or table is None:
+            return
+        if self.offload_config.kv_write_policy != "write_through":
+            return
+        bs = self.block_size
+        full = min(len(table.keys), seq.num_computed_tokens // bs)
+        cap = self.offload_config.max_offload_tokens
+        if cap is not None:
+            full = min(full, cap // bs)
+        tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]
+        self.offload.store(table.block_ids[:full], table.keys[:full], tokens)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):

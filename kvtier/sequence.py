@@ -76,6 +76,19 @@ class RequestTimings:
 
 
 @dataclass
+class SwapState:
+    """Where a swapped-out sequence's KV went: one key per block (content keys for full
+    blocks, a per-request key for the partial last one) and how many tokens they cover."""
+
+    keys: list[bytes]
+    tokens: list[list[int]]
+    num_computed: int
+
+
+RESIDENCY_CLASSES = ("resident", "host", "recomputed", "new")
+
+
+@dataclass
 class Sequence:
     """One request: its tokens and how many of them already have KV in the cache."""
 
@@ -94,6 +107,16 @@ class Sequence:
     stop_reason: int | str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Where this request's prior state lived when it was first admitted (RESIDENCY_CLASSES):
+    # resident (device prefix hit), host (restored), recomputed (it existed but was computed
+    # again), new. TTFT is reported per class because the classes differ by 10x.
+    residency: str = "new"
+    num_restored_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    restore_bytes: int = 0
+    restore_s: float = 0.0
+    loading: int | None = None  # ref of the host->device load this sequence waits for
+    swapped: SwapState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

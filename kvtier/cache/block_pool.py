@@ -1,12 +1,15 @@
 """The device block pool: reference counts, an LRU free queue, and the prefix index.
 
-Primitives: `allocate(n)`, `free(ids)`, `lookup(keys, tokens)`, `touch(ids)`, `register(...)`.
+Primitives: `allocate(n)`, `free(ids)`, `lookup(keys, tokens)`, `touch(ids)`, `register(...)`;
+for the tier below: `cached_free(limit, idle_before)` (the next eviction candidates) and
+`uncache(id)` (forget a free block's key once its bytes are safe elsewhere).
 A free block whose key is still in the index keeps its bytes until `allocate` reuses it
 (least recently freed first), so a finished prefix stays a cache hit for as long as possible.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ class BlockPool:
         self.index: dict[BlockKey, int] = {}
         # Blocks with ref_cnt 0, least recently freed first; dict order is the LRU order.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.freed_at = [0.0] * num_blocks  # monotonic time each block last became free
         self.stats = PoolStats()
 
     @property
@@ -62,13 +66,19 @@ class BlockPool:
             ids.append(block_id)
         return ids
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference each; pass blocks tail first so a prefix outlives its suffix."""
+    def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
+        """Drop one reference each; pass blocks tail first so a prefix outlives its suffix.
+
+        `evict_first` queues blocks that reach zero at the eviction end (their bytes are safe
+        in a lower tier, so they are the cheapest to lose).
+        """
+        now = time.monotonic()
         for block_id in block_ids:
             assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
-                if self.key[block_id] is None:
+                self.freed_at[block_id] = now
+                if self.key[block_id] is None or evict_first:
                     # Nothing worth keeping: reuse it before any cached block.
                     self.free_queue[block_id] = None
                     self.free_queue.move_to_end(block_id, last=False)
@@ -111,6 +121,27 @@ class BlockPool:
         self.key[block_id] = key
         self.tokens[block_id] = tuple(tokens)
         return True
+
+    def cached_free(self, limit: int, idle_before: float | None = None) -> list[int]:
+        """Free blocks still holding a prefix, next to be evicted first (at most `limit`);
+        with `idle_before`, only those free since before that monotonic time."""
+        found: list[int] = []
+        for block_id in self.free_queue:
+            if len(found) >= limit:
+                break
+            if self.key[block_id] is None:
+                continue
+            if idle_before is not None and self.freed_at[block_id] >= idle_before:
+                continue
+            found.append(block_id)
+        return found
+
+    def uncache(self, block_id: int) -> None:
+        """Forget a free block's key (its bytes live on in a lower tier); it is reused first."""
+        assert self.ref_cnt[block_id] == 0, f"block {block_id} is in use"
+        self._evict(block_id)
+        self.stats.evictions -= 1  # a demotion, not an eviction under pressure
+        self.free_queue.move_to_end(block_id, last=False)
 
     def _evict(self, block_id: int) -> None:
         key = self.key[block_id]

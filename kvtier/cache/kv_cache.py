@@ -17,10 +17,13 @@ from kvtier.cache.block_table import BlockTable
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """What `find_cached_prefix` found: device blocks to share and the tokens they cover."""
+    """What `find_cached_prefix` found: device blocks to share and the tokens they cover,
+    plus the keys and tokens of every candidate block (for the tier below to continue)."""
 
     block_ids: list[int]
     num_tokens: int
+    keys: list[BlockKey]
+    chunks: list[list[int]]
 
 
 class KVCacheManager:
@@ -40,9 +43,9 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         keys = hash_blocks(namespace, token_ids[: max_blocks * bs], bs)
-        chunks = [token_ids[i * bs : (i + 1) * bs] for i in range(max_blocks)]
+        chunks = [list(token_ids[i * bs : (i + 1) * bs]) for i in range(max_blocks)]
         hits = self.pool.lookup(keys, chunks)
-        return CachedPrefix(hits, len(hits) * bs)
+        return CachedPrefix(hits, len(hits) * bs, keys, chunks)
 
     def blocks_needed(
         self, request_id: str, num_tokens: int, prefix: CachedPrefix | None = None

@@ -20,7 +20,7 @@ reading padded keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] padded with block 0
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+    # Layerwise loads in flight: called with a layer index before that layer touches the KV.
+    layer_barrier: Callable[[int], None] | None = None
 
 
 INVARIANT_QUERY_TILE = 16
@@ -157,6 +159,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]; k, v are this step's new rows."""
+    if meta.layer_barrier is not None:
+        meta.layer_barrier(layer)  # a restored block's layer must land before we write or read
     write_kv(kv, layer, meta, k, v)
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
@@ -121,9 +122,13 @@ class ModelRunner:
         return linear + norms + embed.shape[1] * embed.element_size()
 
     @torch.inference_mode()
-    def execute(self, chunks: Seq[ScheduledChunk]) -> dict[str, SampleResult]:
-        """Run one step; returns the sampled token of every chunk that ends its known tokens."""
+    def execute(
+        self, chunks: Seq[ScheduledChunk], layer_barrier: Callable[[int], None] | None = None
+    ) -> dict[str, SampleResult]:
+        """Run one step; returns the sampled token of every chunk that ends its known tokens.
+        `layer_barrier(l)` is called before layer l touches the KV (layerwise loads)."""
         input_ids, positions, meta, logit_rows, samplers = self._prepare(chunks)
+        meta.layer_barrier = layer_barrier
         logits = self.model(input_ids, positions, self.kv, meta, logit_rows)
         results = self.sampler.sample(
             logits, [c.seq.request_id for c in samplers], [c.seq.params for c in samplers]

@@ -1,0 +1,72 @@
+"""Where an admitted sequence's KV will come from: device prefix, host tier, or compute.
+
+`plan_admission` continues the device prefix lookup into the host tier and asks the planner
+whether loading the host blocks beats recomputing them, per sequence. Pure bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.cache.block import BlockKey
+from kvtier.cache.kv_cache import CachedPrefix, KVCacheManager
+from kvtier.offload import SWAP_PREFIX, HostOffload
+from kvtier.planner import Decision
+from kvtier.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    prefix: CachedPrefix  # device blocks to share
+    start: int  # tokens with KV once any load lands; compute starts here
+    load_keys: list[BlockKey] = field(default_factory=list)  # host blocks to load, in order
+    restored_tokens: int = 0
+    declined_tokens: int = 0  # on host, but the planner chose to recompute them
+    decision: Decision | None = None
+    swap_state_done: bool = False  # the swapped state is consumed (loaded, or given up)
+
+    @property
+    def content_keys(self) -> list[BlockKey]:
+        """Loaded keys that name full blocks (a swapped partial block is not shareable)."""
+        return [k for k in self.load_keys if not k.startswith(SWAP_PREFIX)]
+
+    @property
+    def residency(self) -> str:
+        if self.load_keys:
+            return "host"
+        if self.prefix.num_tokens:
+            return "resident"
+        return "recomputed" if self.declined_tokens else "new"
+
+
+def plan_admission(
+    seq: Sequence, kv: KVCacheManager, namespace: BlockKey, offload: HostOffload | None,
+    block_size: int,
+) -> AdmissionPlan:
+    prefix = kv.find_cached_prefix(namespace, seq.token_ids)
+    if offload is None:
+        return AdmissionPlan(prefix, prefix.num_tokens)
+    d = len(prefix.block_ids)
+    swapped = seq.swapped
+    if swapped is not None:
+        keys, tokens = swapped.keys[d:], swapped.tokens[d:]
+    else:
+        keys, tokens = prefix.keys[d:], prefix.chunks[d:]
+    hits = offload.host_hits(keys, tokens)
+    cap = offload.config.max_load_tokens
+    if cap is not None:
+        hits = min(hits, cap // block_size)
+    done = swapped is not None
+    if hits == 0:
+        lost = swapped.num_computed - prefix.num_tokens if swapped else 0
+        return AdmissionPlan(prefix, prefix.num_tokens, declined_tokens=max(0, lost),
+                             swap_state_done=done)
+    whole = swapped is not None and d + hits == len(swapped.keys)
+    restored = (swapped.num_computed if whole else (d + hits) * block_size) - prefix.num_tokens
+    mode = "swap" if swapped is not None else "auto"  # a swap was already judged worth it
+    decision = offload.planner.decide(restored, hits * offload.block_bytes, mode)
+    if decision.choice == "recompute":
+        return AdmissionPlan(prefix, prefix.num_tokens, declined_tokens=restored,
+                             decision=decision, swap_state_done=done)
+    return AdmissionPlan(prefix, prefix.num_tokens + restored, list(keys[:hits]), restored,
+                         decision=decision, swap_state_done=done)

@@ -1,0 +1,426 @@
+"""Asynchronous KV transfer jobs between the device pool and the host pool.
+
+Primitives:
+  submit(spec) -> job id              queue a store (device -> host) or a load (host -> device)
+  poll() -> [TransferResult]          jobs finished since the last poll; never blocks
+  wait(job_id, timeout) -> result     block the host until the job is complete
+  wait_layer(job_id, layer) -> bool   layer `layer` of a load is usable; False: the job failed
+  is_done(job_id)                     finished, delivered or not
+  stats() / reset_stats()             bytes, busy seconds, jobs, failures, link utilisation
+  close()                             stop the worker, fail every job that did not finish
+Each result is delivered once, by `poll` or by `wait`. From `submit` until then the job's
+device blocks and host slots are the engine's: the caller must not reuse or free them.
+
+One worker thread takes jobs a step at a time (a chunk of `blocks_per_chunk` blocks, or one
+layer of a layerwise load), always from the load queue first: loads are on the critical path,
+so a load submitted behind a long store waits for at most one chunk. On CPU the worker copies;
+on CUDA it issues copies on one side stream per direction and records an event after each
+step. A job's copies start only after the work queued on the submitting thread's current
+stream at `submit` (so a store never reads KV that compute is still writing, and a load never
+overwrites a block an earlier kernel still reads); consumers of a load wait on its events.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.transfer.copy import copy_blocks, copy_layer, layer_index
+from kvtier.transfer.host_memory import HostPool
+from kvtier.transfer.spec import (
+    Direction,
+    DirectionStats,
+    TransferResult,
+    TransferSpec,
+    TransferStats,
+)
+
+Fault = Callable[[TransferSpec, int], bool]  # (spec, step index) -> True: that step fails
+
+CUDA_POLL_S = 1e-4  # how often a host wait re-queries a CUDA event
+CLOSE_JOIN_S = 5.0  # close() gives the worker this long to finish its current step
+DELIVERED_MEMORY = 4096  # outcomes of delivered jobs kept for late wait_layer/is_done calls
+CLOSED_ERROR = "transfer engine closed before the job finished"
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the worker when the test hook `fault` asks a step to fail."""
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"  # waiting or being copied by the worker
+    INFLIGHT = "inflight"  # CUDA: every step issued (or the job failed); waiting for the GPU
+    FINISHED = "finished"  # result ready, not yet delivered
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    spec: TransferSpec
+    num_steps: int
+    state: _State = _State.QUEUED
+    next_step: int = 0
+    bytes: int = 0
+    layers_ready: int = 0  # layerwise: layers copied (CPU) or issued with an event (CUDA)
+    started: float | None = None
+    error: str | None = None
+    result: TransferResult | None = None
+    index: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU layerwise index tensors
+    ready_event: Any = None  # CUDA: the submitter's stream at submit time
+    start_event: Any = None  # CUDA: recorded on the side stream before the first copy
+    events: list[Any] = field(default_factory=list)  # CUDA: one per issued step
+
+
+@dataclass
+class _Counter:
+    bytes: int = 0
+    busy_s: float = 0.0
+    jobs: int = 0
+    failures: int = 0
+
+
+class TransferEngine:
+    """Moves blocks between `device_kv` and `host`, asynchronously, one worker, loads first."""
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor,
+        host: HostPool,
+        blocks_per_chunk: int = 16,
+        fault: Fault | None = None,
+    ) -> None:
+        # device_kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
+        if tuple(device_kv.shape[1:]) != host.block_shape or device_kv.dtype != host.dtype:
+            raise ConfigError(
+                f"host slots {host.block_shape} {host.dtype} do not match device blocks "
+                f"{tuple(device_kv.shape[1:])} {device_kv.dtype}; build the pool with "
+                "HostPool.like(device_kv, ...)"
+            )
+        if not device_kv.is_contiguous():
+            raise ConfigError("device_kv must be contiguous (a block is one run of memory)")
+        if device_kv.is_cuda and not host.pinned:
+            raise ConfigError("a CUDA device needs a pinned host pool (HostPool.like pins it)")
+        if blocks_per_chunk < 1:
+            raise ConfigError(f"blocks_per_chunk={blocks_per_chunk} must be >= 1")
+        self.device_kv = device_kv
+        self.host = host
+        self.blocks_per_chunk = blocks_per_chunk
+        self.fault = fault
+        self._cuda = device_kv.is_cuda
+        self._streams: dict[Direction, Any] = {}
+        if self._cuda:
+            self._streams = {d: torch.cuda.Stream(device=device_kv.device) for d in Direction}
+        self._cond = threading.Condition()
+        self._queues: dict[Direction, deque[_Job]] = {d: deque() for d in Direction}
+        self._jobs: dict[int, _Job] = {}  # submitted and not yet delivered
+        self._inflight: list[_Job] = []
+        self._finished: deque[_Job] = deque()  # in order of completion
+        self._delivered: OrderedDict[int, bool] = OrderedDict()
+        self._next_id = 0
+        self._closing = False
+        self._counters = {d: _Counter() for d in Direction}
+        self._since = time.perf_counter()
+        self._worker = threading.Thread(target=self._run, name="kvtier-transfer", daemon=True)
+        self._worker.start()
+
+    # ---- the caller's side -------------------------------------------------------------
+
+    def submit(self, spec: TransferSpec) -> int:
+        """Queue a job; its copies start after the current stream's work queued so far."""
+        num_blocks, num_layers = self.device_kv.shape[0], self.device_kv.shape[1]
+        if spec.device_blocks and max(spec.device_blocks) >= num_blocks:
+            raise ValueError(f"device block {max(spec.device_blocks)} >= {num_blocks} blocks")
+        if spec.host_slots and max(spec.host_slots) >= self.host.num_slots:
+            raise ValueError(f"host slot {max(spec.host_slots)} >= {self.host.num_slots} slots")
+        steps = num_layers if spec.layerwise else max(1, math.ceil(
+            spec.num_blocks / self.blocks_per_chunk))
+        job = _Job(id=-1, spec=spec, num_steps=steps)
+        if self._cuda:
+            job.ready_event = torch.cuda.Event()
+            job.ready_event.record(torch.cuda.current_stream(self.device_kv.device))
+        elif spec.layerwise:
+            job.index = layer_index(spec.device_blocks, spec.host_slots)
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("transfer engine is closed; no new jobs")
+            job.id = self._next_id
+            self._next_id += 1
+            self._jobs[job.id] = job
+            self._queues[spec.direction].append(job)
+            self._cond.notify_all()
+        return job.id
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the jobs finished since the last call, in order of completion."""
+        with self._cond:
+            self._reap_locked()
+            return [self._deliver_locked(self._finished[0]) for _ in range(len(self._finished))]
+
+    def wait(self, job_id: int, timeout: float | None = None) -> TransferResult:
+        """Block the host until the job is complete (TimeoutError after `timeout` seconds).
+
+        On CUDA this waits for the copy itself, not just its issue: the result hands the host
+        slots and device blocks back to their owners, who may reuse them from the CPU.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            job = self._pending_locked(job_id)
+            while True:
+                self._reap_locked()
+                if job.state is _State.FINISHED:
+                    return self._deliver_locked(job)
+                self._cond.wait(self._wait_slice_locked(job, deadline, job_id))
+
+    def wait_layer(self, job_id: int, layer: int, timeout: float | None = None) -> bool:
+        """True once layer `layer` of a load can be read; False if the job failed first.
+
+        False means "recompute these tokens": the job's blocks hold partial bytes. On CUDA
+        the host waits only until the layer's copy is issued; the current stream is then made
+        to wait on its event, so compute queued afterwards reads the layer after it lands. A
+        job that is not layerwise counts as arrived when the whole job has.
+        """
+        if not 0 <= layer < self.device_kv.shape[1]:
+            raise ValueError(f"layer {layer} is not in 0..{self.device_kv.shape[1] - 1}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if job_id in self._delivered:
+                return self._delivered[job_id]
+            job = self._pending_locked(job_id)
+            while True:
+                self._reap_locked()
+                arrived = self._layer_ready_locked(job, layer)
+                if arrived is not None or job.state is _State.FINISHED:
+                    break
+                self._cond.wait(self._wait_slice_locked(job, deadline, job_id))
+        if arrived is None:  # finished without that layer
+            return job.error is None
+        if self._cuda and arrived is not True:
+            torch.cuda.current_stream(self.device_kv.device).wait_event(arrived)
+        return True
+
+    def is_done(self, job_id: int) -> bool:
+        """Whether the job has finished (successfully or not), delivered or not."""
+        with self._cond:
+            if not 0 <= job_id < self._next_id:
+                raise ValueError(f"unknown transfer job {job_id}")
+            job = self._jobs.get(job_id)
+            if job is None:
+                return True
+            self._reap_locked()
+            return job.state is _State.FINISHED
+
+    def stats(self) -> TransferStats:
+        """Counters per direction since construction or the last `reset_stats()`."""
+        with self._cond:
+            self._reap_locked()
+            elapsed = time.perf_counter() - self._since
+
+            def one(c: _Counter) -> DirectionStats:
+                util = c.busy_s / elapsed if elapsed > 0 else 0.0
+                return DirectionStats(c.bytes, c.busy_s, c.jobs, c.failures, util)
+
+            return TransferStats(elapsed, one(self._counters[Direction.STORE]),
+                                 one(self._counters[Direction.LOAD]))
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self._counters = {d: _Counter() for d in Direction}
+            self._since = time.perf_counter()
+
+    def close(self) -> None:
+        """Stop the worker after its current step; jobs not finished by then fail."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._worker.join(timeout=CLOSE_JOIN_S)
+        for stream in self._streams.values():
+            stream.synchronize()  # nothing issued is still writing when close returns
+        with self._cond:
+            for queue in self._queues.values():
+                while queue:
+                    job = queue.popleft()
+                    job.error = job.error or CLOSED_ERROR
+                    self._retire_locked(job)  # CUDA: finishes once its issued copies have
+            self._reap_locked()
+            self._cond.notify_all()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the worker's side -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and self._head_locked() is None:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                job = self._head_locked()
+                assert job is not None
+            try:
+                self._step(job)
+            except Exception as e:  # a failed job must never take the worker down with it
+                self._fail(job, f"{type(e).__name__}: {e}")
+
+    def _head_locked(self) -> _Job | None:
+        """The next job to advance: loads first, then stores, each in order of submission."""
+        for direction in (Direction.LOAD, Direction.STORE):
+            if self._queues[direction]:
+                return self._queues[direction][0]
+        return None
+
+    def _step(self, job: _Job) -> None:
+        """Copy (CPU) or issue (CUDA) the job's next step, then account for it."""
+        idx, spec = job.next_step, job.spec
+        if self.fault is not None and self.fault(spec, idx):
+            raise InjectedFault(f"injected fault in step {idx} of job {job.id}")
+        if self._closing:
+            return
+        start = time.perf_counter()
+        event = None
+        if self._cuda:
+            stream = self._streams[spec.direction]
+            with torch.cuda.stream(stream):
+                if job.start_event is None:
+                    stream.wait_event(job.ready_event)  # compute queued before submit
+                    job.start_event = torch.cuda.Event(enable_timing=True)
+                    job.start_event.record(stream)
+                nbytes = self._copy(job, idx)
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
+        else:
+            nbytes = self._copy(job, idx)
+        end = time.perf_counter()
+        with self._cond:
+            if job.state is not _State.QUEUED:  # closed meanwhile
+                return
+            job.started = start if job.started is None else job.started
+            job.next_step += 1
+            job.bytes += nbytes
+            if event is not None:
+                job.events.append(event)
+            else:
+                self._counters[spec.direction].bytes += nbytes
+                self._counters[spec.direction].busy_s += end - start
+            if spec.layerwise:
+                job.layers_ready = idx + 1
+            if job.next_step == job.num_steps:
+                self._queues[spec.direction].popleft()
+                self._retire_locked(job)
+            self._cond.notify_all()
+
+    def _copy(self, job: _Job, idx: int) -> int:
+        spec, host = job.spec, self.host.tensor
+        if spec.layerwise:
+            return copy_layer(self.device_kv, host, idx, spec.device_blocks, spec.host_slots,
+                              job.index)
+        lo, hi = idx * self.blocks_per_chunk, (idx + 1) * self.blocks_per_chunk
+        return copy_blocks(self.device_kv, host, spec.device_blocks[lo:hi],
+                           spec.host_slots[lo:hi], store=spec.direction is Direction.STORE)
+
+    def _fail(self, job: _Job, error: str) -> None:
+        event = None
+        if self._cuda and job.start_event is not None:
+            try:  # covers whatever the failed step issued before raising
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(self._streams[job.spec.direction])
+            except Exception:
+                event = None
+        with self._cond:
+            if job.state is not _State.QUEUED:
+                return
+            job.error = error
+            if event is not None:
+                job.events.append(event)
+            queue = self._queues[job.spec.direction]
+            if job in queue:
+                queue.remove(job)
+            self._retire_locked(job)
+            self._cond.notify_all()
+
+    # ---- bookkeeping, all under self._cond ---------------------------------------------
+
+    def _retire_locked(self, job: _Job) -> None:
+        """A job with nothing left to issue: finished now (CPU) or when its events are."""
+        if job.events:
+            job.state = _State.INFLIGHT
+            self._inflight.append(job)
+        else:
+            self._finish_locked(job)
+
+    def _reap_locked(self) -> None:
+        """Finish the CUDA jobs whose last event has completed."""
+        if not self._inflight:
+            return
+        done = [j for j in self._inflight if j.events[-1].query()]
+        if done:
+            self._inflight = [j for j in self._inflight if j not in done]
+            for job in done:
+                self._finish_locked(job)
+
+    def _finish_locked(self, job: _Job) -> None:
+        counter = self._counters[job.spec.direction]
+        if job.events:  # CUDA: time the copies on the GPU's own clock
+            seconds = job.start_event.elapsed_time(job.events[-1]) / 1e3
+            counter.bytes += job.bytes
+            counter.busy_s += seconds
+        else:
+            seconds = 0.0 if job.started is None else time.perf_counter() - job.started
+        counter.jobs += 1
+        counter.failures += job.error is not None
+        job.result = TransferResult(job.id, job.spec, job.error is None, job.bytes, seconds,
+                                    job.error)
+        job.state = _State.FINISHED
+        job.index = None
+        self._finished.append(job)
+        self._cond.notify_all()
+
+    def _deliver_locked(self, job: _Job) -> TransferResult:
+        self._finished.remove(job)
+        del self._jobs[job.id]
+        assert job.result is not None
+        self._delivered[job.id] = job.result.success
+        while len(self._delivered) > DELIVERED_MEMORY:
+            self._delivered.popitem(last=False)
+        return job.result
+
+    def _pending_locked(self, job_id: int) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            state = "already delivered" if 0 <= job_id < self._next_id else "unknown"
+            raise ValueError(f"transfer job {job_id} is {state}")
+        return job
+
+    def _layer_ready_locked(self, job: _Job, layer: int) -> Any:
+        """None until the layer is in place; then True (CPU) or the CUDA event to wait on."""
+        if job.spec.layerwise:
+            if job.layers_ready <= layer:
+                return None
+            return job.events[layer] if self._cuda else True
+        if job.error is not None or job.state is _State.QUEUED:
+            return None  # failed, or not all issued yet
+        return job.events[-1] if self._cuda else (True if job.state is _State.FINISHED else None)
+
+    def _wait_slice_locked(self, job: _Job, deadline: float | None, job_id: int) -> float | None:
+        """How long the next condition wait may sleep; TimeoutError past the deadline."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(f"transfer job {job_id} still running at its timeout")
+        if job.state is _State.INFLIGHT:  # the GPU, not the worker, will finish it
+            return CUDA_POLL_S if remaining is None else min(remaining, CUDA_POLL_S)
+        return remaining

@@ -1,0 +1,148 @@
+"""The host tier's memory: one allocation, made once, held for real, reported honestly.
+
+Slot i holds one device block for all layers contiguously, so a block moves as one copy:
+    host: [num_slots, num_layers, block_size, 2, num_kv_heads, head_dim]
+Page-locked (pinned) when the device is CUDA, so copies are true async DMA; plain on CPU.
+Pinning registers the exact allocation with `cudaHostRegister` instead of using
+`torch.empty(pin_memory=True)`: torch's caching host allocator rounds every pinned
+allocation up to a power of two, so a 40 GiB pool would lock 64 GiB of RAM.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from kvtier.errors import ConfigError
+
+SAFE_RAM_SHARE = 0.8  # a pool may take at most this share of the RAM available at startup
+GIB = 1024**3
+
+
+def available_ram_bytes() -> int:
+    """RAM the kernel says a new allocation can get without swapping (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the field is in kB
+    except OSError:
+        pass
+    # No /proc (macOS, sandboxes): free physical pages, a lower bound of what is available.
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (peak RSS where /proc is missing)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+class HostPool:
+    """`num_slots` host slots shaped like one device block each, allocated in the constructor."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+        available_bytes: int | None = None,
+    ) -> None:
+        if num_slots < 1:
+            raise ConfigError(f"a host pool needs at least one slot, got num_slots={num_slots}")
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.slot_bytes = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+        self.num_slots = num_slots
+        check_fits(num_slots * self.slot_bytes, available_bytes)
+        rss_before = rss_bytes()
+        start = time.perf_counter()
+        # host: [num_slots, num_layers, block_size, 2, num_kv_heads, head_dim]
+        self.tensor = torch.empty((num_slots, *self.block_shape), dtype=dtype)
+        self.tensor.zero_()  # touch every page: the memory is held now, not at first store
+        if pin_memory:
+            _register_pinned(self, self.tensor)
+        self.alloc_seconds = time.perf_counter() - start
+        self.rss_growth_bytes = max(0, rss_bytes() - rss_before)
+        self.pinned = pin_memory  # registration either succeeded or raised
+
+    @classmethod
+    def like(cls, device_kv: torch.Tensor, num_slots: int,
+             available_bytes: int | None = None) -> HostPool:
+        """Slots shaped like the blocks of `device_kv`, pinned when it lives on CUDA."""
+        # device_kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
+        return cls(num_slots, tuple(device_kv.shape[1:]), device_kv.dtype,
+                   pin_memory=device_kv.is_cuda, available_bytes=available_bytes)
+
+    @classmethod
+    def from_size(cls, size_gib: float, device_kv: torch.Tensor,
+                  available_bytes: int | None = None) -> HostPool:
+        """As many slots as fit in `size_gib` (the `kv_offloading_size` knob)."""
+        block_bytes = math.prod(device_kv.shape[1:]) * device_kv.element_size()
+        size_bytes = size_gib * GIB
+        check_fits(size_bytes, available_bytes)
+        num_slots = int(size_bytes // block_bytes)
+        if num_slots < 1:
+            raise ConfigError(
+                f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
+                f"{block_bytes} bytes ({block_bytes / GIB:.6f} GiB); raise it"
+            )
+        return cls.like(device_kv, num_slots, available_bytes)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def slot(self, i: int) -> torch.Tensor:
+        """Slot i as a [num_layers, block_size, 2, num_kv_heads, head_dim] view."""
+        return self.tensor[i]
+
+    def stats(self) -> dict[str, int]:
+        """What this pool holds, for /metrics and the benchmark report."""
+        return {
+            "num_slots": self.num_slots,
+            "slot_bytes": self.slot_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "pinned_bytes": self.allocated_bytes if self.pinned else 0,
+            "rss_growth_bytes": self.rss_growth_bytes,
+        }
+
+
+def check_fits(size_bytes: float, available_bytes: int | None = None) -> None:
+    """Refuse a pool larger than SAFE_RAM_SHARE of the RAM available now (ConfigError)."""
+    available = available_ram_bytes() if available_bytes is None else available_bytes
+    limit = SAFE_RAM_SHARE * available
+    if size_bytes > limit:
+        raise ConfigError(
+            f"kv_offloading_size={size_bytes / GIB:.2f} GiB exceeds {SAFE_RAM_SHARE:.0%} of "
+            f"available host RAM ({available / GIB:.2f} GiB available, limit "
+            f"{limit / GIB:.2f} GiB); lower kv_offloading_size"
+        )
+
+
+def _register_pinned(owner: object, tensor: torch.Tensor) -> None:
+    """Page-lock exactly `tensor`'s bytes until `owner` is collected (ConfigError on failure)."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)  # 0: cudaHostRegisterDefault
+    if int(err) != 0:
+        raise ConfigError(
+            f"could not pin a host pool of {nbytes / GIB:.2f} GiB (cudaHostRegister error "
+            f"{int(err)}); lower kv_offloading_size or raise the locked-memory limit (ulimit -l)"
+        )
+    # The finalizer holds the tensor, so the pages are unregistered before they can be freed.
+    weakref.finalize(owner, _unregister, cudart, ptr, tensor).atexit = False
+
+
+def _unregister(cudart: object, ptr: int, tensor: torch.Tensor) -> None:
+    """Undo `cudaHostRegister`; `tensor` is an argument only to keep its memory alive until now."""
+    cudart.cudaHostUnregister(ptr)  # type: ignore[attr-defined]
