@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -11,17 +10,9 @@ from kvtier.engine import LLMEngine, PromptType
 from kvtier.errors import RequestError
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
+from kvtier.stats import RequestLog, engine_stats
 
 Message = dict[str, Any]
-
-
-def percentile(values: Seq[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
 
 
 class LLM:
@@ -31,7 +22,7 @@ class LLM:
         self.config = EngineConfig.from_knobs(model=model, **knobs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
-        self._ttfts: list[float] = []
+        self.log = RequestLog()
 
     def generate(
         self,
@@ -66,7 +57,7 @@ class LLM:
                 self.engine.abort(rid)
             raise
         outputs = [done[rid] for rid in ids]
-        self._ttfts.extend(o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None)
+        self.log.add(outputs)
         return outputs
 
     def chat(
@@ -85,25 +76,10 @@ class LLM:
         return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
     def stats(self) -> dict[str, Any]:
-        """Engine-wide counters and TTFT percentiles of the requests served by this LLM."""
-        pool = self.engine.pool
-        return {
-            "requests": len(self._ttfts),
-            "ttft_s": {
-                "p50": percentile(self._ttfts, 50),
-                "p90": percentile(self._ttfts, 90),
-                "p99": percentile(self._ttfts, 99),
-                "mean": statistics.fmean(self._ttfts) if self._ttfts else None,
-            },
-            "device_blocks": {
-                "total": pool.num_blocks,
-                "used": pool.num_used,
-                "cached": pool.num_cached,
-            },
-            "prefix_cache": {
-                "lookups": pool.stats.lookups,
-                "hits": pool.stats.hits,
-                "hit_rate": pool.stats.hits / pool.stats.lookups if pool.stats.lookups else 0.0,
-            },
-            "preemptions": self.engine.scheduler.stats.num_preemptions,
-        }
+        """TTFT percentiles split by residency class, the tier's traffic and occupancy,
+        swap vs recompute counts, failed transfers and the planner's error."""
+        return engine_stats(self.engine, self.log)
+
+    def shutdown(self) -> None:
+        """Stop background transfer work (pending transfers fail and count as misses)."""
+        self.engine.close()

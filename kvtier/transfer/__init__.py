@@ -13,11 +13,12 @@ the caller neither reuses nor frees them. A failed job's partial writes are the 
 discard; it is a miss, never a load.
 """
 
-from kvtier.transfer.engine import InjectedFault, TransferEngine
+from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.host_memory import SAFE_RAM_SHARE, HostPool
 from kvtier.transfer.spec import (
     Direction,
     DirectionStats,
+    InjectedFault,
     TransferResult,
     TransferSpec,
     TransferStats,

@@ -27,7 +27,6 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,22 +37,18 @@ from kvtier.transfer.copy import copy_blocks, copy_layer, layer_index
 from kvtier.transfer.host_memory import HostPool
 from kvtier.transfer.spec import (
     Direction,
-    DirectionStats,
+    DirectionCounter,
+    Fault,
+    InjectedFault,
     TransferResult,
     TransferSpec,
     TransferStats,
 )
 
-Fault = Callable[[TransferSpec, int], bool]  # (spec, step index) -> True: that step fails
-
 CUDA_POLL_S = 1e-4  # how often a host wait re-queries a CUDA event
 CLOSE_JOIN_S = 5.0  # close() gives the worker this long to finish its current step
 DELIVERED_MEMORY = 4096  # outcomes of delivered jobs kept for late wait_layer/is_done calls
 CLOSED_ERROR = "transfer engine closed before the job finished"
-
-
-class InjectedFault(RuntimeError):
-    """Raised inside the worker when the test hook `fault` asks a step to fail."""
 
 
 class _State(enum.Enum):
@@ -78,14 +73,6 @@ class _Job:
     ready_event: Any = None  # CUDA: the submitter's stream at submit time
     start_event: Any = None  # CUDA: recorded on the side stream before the first copy
     events: list[Any] = field(default_factory=list)  # CUDA: one per issued step
-
-
-@dataclass
-class _Counter:
-    bytes: int = 0
-    busy_s: float = 0.0
-    jobs: int = 0
-    failures: int = 0
 
 
 class TransferEngine:
@@ -127,12 +114,10 @@ class TransferEngine:
         self._delivered: OrderedDict[int, bool] = OrderedDict()
         self._next_id = 0
         self._closing = False
-        self._counters = {d: _Counter() for d in Direction}
+        self._counters = {d: DirectionCounter() for d in Direction}
         self._since = time.perf_counter()
         self._worker = threading.Thread(target=self._run, name="kvtier-transfer", daemon=True)
         self._worker.start()
-
-    # ---- the caller's side -------------------------------------------------------------
 
     def submit(self, spec: TransferSpec) -> int:
         """Queue a job; its copies start after the current stream's work queued so far."""
@@ -178,7 +163,7 @@ class TransferEngine:
                 self._reap_locked()
                 if job.state is _State.FINISHED:
                     return self._deliver_locked(job)
-                self._cond.wait(self._wait_slice_locked(job, deadline, job_id))
+                self._cond.wait(self._wait_slice_locked(job, deadline))
 
     def wait_layer(self, job_id: int, layer: int, timeout: float | None = None) -> bool:
         """True once layer `layer` of a load can be read; False if the job failed first.
@@ -200,7 +185,7 @@ class TransferEngine:
                 arrived = self._layer_ready_locked(job, layer)
                 if arrived is not None or job.state is _State.FINISHED:
                     break
-                self._cond.wait(self._wait_slice_locked(job, deadline, job_id))
+                self._cond.wait(self._wait_slice_locked(job, deadline))
         if arrived is None:  # finished without that layer
             return job.error is None
         if self._cuda and arrived is not True:
@@ -223,17 +208,12 @@ class TransferEngine:
         with self._cond:
             self._reap_locked()
             elapsed = time.perf_counter() - self._since
-
-            def one(c: _Counter) -> DirectionStats:
-                util = c.busy_s / elapsed if elapsed > 0 else 0.0
-                return DirectionStats(c.bytes, c.busy_s, c.jobs, c.failures, util)
-
-            return TransferStats(elapsed, one(self._counters[Direction.STORE]),
-                                 one(self._counters[Direction.LOAD]))
+            return TransferStats(elapsed, self._counters[Direction.STORE].freeze(elapsed),
+                                 self._counters[Direction.LOAD].freeze(elapsed))
 
     def reset_stats(self) -> None:
         with self._cond:
-            self._counters = {d: _Counter() for d in Direction}
+            self._counters = {d: DirectionCounter() for d in Direction}
             self._since = time.perf_counter()
 
     def close(self) -> None:
@@ -260,8 +240,6 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- the worker's side -------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
@@ -353,8 +331,6 @@ class TransferEngine:
             self._retire_locked(job)
             self._cond.notify_all()
 
-    # ---- bookkeeping, all under self._cond ---------------------------------------------
-
     def _retire_locked(self, job: _Job) -> None:
         """A job with nothing left to issue: finished now (CPU) or when its events are."""
         if job.events:
@@ -365,13 +341,10 @@ class TransferEngine:
 
     def _reap_locked(self) -> None:
         """Finish the CUDA jobs whose last event has completed."""
-        if not self._inflight:
-            return
         done = [j for j in self._inflight if j.events[-1].query()]
-        if done:
-            self._inflight = [j for j in self._inflight if j not in done]
-            for job in done:
-                self._finish_locked(job)
+        self._inflight = [j for j in self._inflight if j not in done]
+        for job in done:
+            self._finish_locked(job)
 
     def _finish_locked(self, job: _Job) -> None:
         counter = self._counters[job.spec.direction]
@@ -416,11 +389,11 @@ class TransferEngine:
             return None  # failed, or not all issued yet
         return job.events[-1] if self._cuda else (True if job.state is _State.FINISHED else None)
 
-    def _wait_slice_locked(self, job: _Job, deadline: float | None, job_id: int) -> float | None:
+    def _wait_slice_locked(self, job: _Job, deadline: float | None) -> float | None:
         """How long the next condition wait may sleep; TimeoutError past the deadline."""
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
-            raise TimeoutError(f"transfer job {job_id} still running at its timeout")
+            raise TimeoutError(f"transfer job {job.id} still running at its timeout")
         if job.state is _State.INFLIGHT:  # the GPU, not the worker, will finish it
             return CUDA_POLL_S if remaining is None else min(remaining, CUDA_POLL_S)
         return remaining

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -77,6 +78,20 @@ class DirectionStats:
         return self.bytes / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
 
 
+@dataclass
+class DirectionCounter:
+    """The engine's running counters of one direction; `freeze` turns them into stats."""
+
+    bytes: int = 0
+    busy_s: float = 0.0
+    jobs: int = 0
+    failures: int = 0
+
+    def freeze(self, elapsed_s: float) -> DirectionStats:
+        util = self.busy_s / elapsed_s if elapsed_s > 0 else 0.0
+        return DirectionStats(self.bytes, self.busy_s, self.jobs, self.failures, util)
+
+
 @dataclass(frozen=True)
 class TransferStats:
     """Both directions and the window they were counted over."""
@@ -97,3 +112,10 @@ class TransferStats:
                 f"{name}_utilisation": d.utilisation,
             }
         return out
+
+
+Fault = Callable[[TransferSpec, int], bool]  # test hook: (spec, step index) -> True fails it
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the worker when the `fault` hook asks a step to fail."""

@@ -10,6 +10,7 @@ from kvtier.errors import ConfigError, ModelLoadError, RequestError
 from kvtier.llm import LLM
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
+from kvtier.stats import RequestLog
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=20)
 
@@ -106,7 +107,7 @@ def test_chat_second_turn_hits_the_prefix_cache(tiny: LoadedModel) -> None:
     llm.config = EngineConfig.from_knobs(model="tiny", num_device_blocks=64)
     llm.engine = LLMEngine(llm.config, loaded=tiny)
     llm.tokenizer = llm.engine.tokenizer
-    llm._ttfts = []
+    llm.log = RequestLog()
     params = SamplingParams(max_tokens=16, temperature=0.0)
     history = [{"role": "system", "content": "You are terse. " * 8},
                {"role": "user", "content": "Name three colours of the rainbow, please."}]
