@@ -112,6 +112,28 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         )
 
 
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from kvtier.model.loader import load_model
+    from kvtier.selftest import run_selftest
+
+    loaded = load_model(args.model)
+    report = run_selftest(loaded, conversations=args.conversations, turns=args.turns,
+                          max_tokens=args.max_tokens, **engine_knobs(args))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(f"kvtier selftest on {loaded.source}: {report.conversations} conversations, "
+              f"{report.turns} turns, {report.demoted_blocks} blocks demoted to host, "
+              f"{report.restored_tokens} tokens restored, {report.blocks_compared} blocks "
+              "compared byte for byte")
+        for line in report.token_mismatches + report.byte_mismatches:
+            print(f"MISMATCH {line}")
+        if report.restored_tokens == 0:
+            print("FAIL: nothing was restored from host, so nothing was tested")
+        print("PASS: warm (restored) runs equal cold ones" if report.ok else "FAIL")
+    return 0 if report.ok else 1
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -137,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, 256)
     add_engine_args(chat)
     chat.set_defaults(func=_cmd_chat)
+    selftest = sub.add_parser("selftest", help="cold vs warm: restored KV must be exact")
+    selftest.add_argument("--conversations", type=int, default=4)
+    selftest.add_argument("--turns", type=int, default=3)
+    selftest.add_argument("--max-tokens", type=int, default=16)
+    selftest.add_argument("--json", action="store_true")
+    add_engine_args(selftest)
+    selftest.set_defaults(func=_cmd_selftest)
     return parser
 
 

@@ -168,6 +168,17 @@ class LLMEngine:
             self.runner.sampler.forget(seq.request_id)
         return [RequestOutput.of(seq) for seq in done]
 
+    def demote_cached(self) -> int:
+        """Move every cached device block that no request is using down to the host tier now
+        and free its device copy; returns how many blocks were demoted."""
+        if self.tier is None:
+            return 0
+        before = self.tier.offload.stats.demoted_blocks
+        self.tier.reap()
+        self.tier.offload.demote_all()
+        self.tier.drain()
+        return self.tier.offload.stats.demoted_blocks - before
+
     def close(self) -> None:
         """Stop the transfer worker; pending transfers fail (their sequences recompute)."""
         if self.tier is not None:

@@ -107,6 +107,12 @@ class TransferDriver:
                     void.add(s.seq.request_id)
         return void
 
+    def drain(self) -> None:
+        """Submit what the scheduler decided and wait until no transfer is in flight."""
+        self.submit(self.offload.take_jobs())
+        while self._ref_of:
+            self.wait_any()
+
     @property
     def busy(self) -> bool:
         return bool(self._ref_of)
