@@ -159,6 +159,10 @@ class HostOffload:
         swap_keys = [k for k in job.keys if k.startswith(SWAP_PREFIX)]
         if swap_keys:
             self.tier.remove(swap_keys)  # a preempted sequence's own blocks serve it once
+        if success and self.config.kv_write_policy == "write_back":
+            # Exclusive tiers: the device copy is now the one that counts and is written back
+            # when evicted, so the host slot is freed and the two pools add up in capacity.
+            self.tier.remove(job.keys)
         if success:
             self.stats.loaded_blocks += len(job.keys)
             self.stats.loaded_bytes += nbytes
@@ -189,7 +193,9 @@ class HostOffload:
         self._store_free_blocks(self.pool.cached_free(self.pool.num_blocks), demote=True)
 
     def write_back(self, watermark: int) -> None:
-        """`write_back` policy: the next `watermark` blocks the device would evict go down."""
+        """`write_back` policy: the next `watermark` blocks the device would evict go down.
+        With it the tiers are exclusive: a block woken from host leaves the host (see finish),
+        so device and host capacity add up instead of the host duplicating the device."""
         if self.config.kv_write_policy == "write_back":
             self._store_free_blocks(self.pool.cached_free(watermark), demote=False)
 
