@@ -174,7 +174,7 @@ class LLMEngine:
         if self.tier is None:
             return 0
         before = self.tier.offload.stats.demoted_blocks
-        self.tier.reap()
+        self.tier.drain()  # blocks still being written through are demoted once they land
         self.tier.offload.demote_all()
         self.tier.drain()
         return self.tier.offload.stats.demoted_blocks - before
