@@ -197,7 +197,11 @@ class HostOffload:
         With it the tiers are exclusive: a block woken from host leaves the host (see finish),
         so device and host capacity add up instead of the host duplicating the device."""
         if self.config.kv_write_policy == "write_back":
-            self._store_free_blocks(self.pool.cached_free(watermark), demote=False)
+            # `allocate` takes uncached free blocks first: only the cached blocks that the
+            # next `watermark` allocations would reach need to be on host already.
+            at_risk = watermark - self.pool.num_free_uncached()
+            if at_risk > 0:
+                self._store_free_blocks(self.pool.cached_free(at_risk), demote=False)
 
     def _store_free_blocks(self, blocks: list[int], demote: bool) -> None:
         missing_blocks, keys, tokens = [], [], []

@@ -63,3 +63,28 @@ def test_bfloat16_on_cuda_generates_and_reuses_prefixes(smollm2: LoadedModel) ->
     out = engine.run_to_completion([second])[second]
     assert out.num_cached_tokens >= 64 and len(out.token_ids) == 8
     assert engine.pool.num_used == 0
+
+
+def test_host_tier_on_cuda_wakes_sessions_with_identical_tokens(smollm2: LoadedModel) -> None:
+    # pinned host pool, side-stream copies, events: a demoted session wakes (async and
+    # layerwise) and answers as a never-offloaded engine on the same GPU (float32, so the
+    # prefill-vs-suffix numerics differ only in the last bits and greedy tokens agree)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(EngineConfig.from_knobs(device="cuda", dtype="float32",
+                                            num_device_blocks=128), loaded=smollm2)
+    prompt = "Explain the KV cache of a transformer in one paragraph. " * 6
+    rid = ref.add_request(prompt, params)
+    want = ref.run_to_completion([rid])[rid]
+    for load_mode in ("async", "layerwise"):
+        e = LLMEngine(EngineConfig.from_knobs(device="cuda", dtype="float32",
+                                              num_device_blocks=128, kv_offloading_size=0.5,
+                                              load_mode=load_mode), loaded=smollm2)
+        assert e.tier is not None and e.tier.host.pinned
+        first = e.add_request(prompt, params)
+        e.run_to_completion([first])
+        assert e.demote_cached() > 0
+        again = e.add_request(prompt, params)
+        got = e.run_to_completion([again])[again]
+        assert got.residency == "host" and got.num_restored_tokens > 0
+        assert got.token_ids == want.token_ids, load_mode
+        e.close()

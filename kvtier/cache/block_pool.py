@@ -136,6 +136,10 @@ class BlockPool:
             found.append(block_id)
         return found
 
+    def num_free_uncached(self) -> int:
+        """Free blocks holding nothing worth keeping: `allocate` takes these first."""
+        return sum(1 for b in self.free_queue if self.key[b] is None)
+
     def uncache(self, block_id: int) -> None:
         """Forget a free block's key (its bytes live on in a lower tier); it is reused first."""
         assert self.ref_cnt[block_id] == 0, f"block {block_id} is in use"
