@@ -67,12 +67,14 @@ def wake_capacity(loaded: LoadedModel, k: int, session_tokens: int, bs: int) -> 
                              for c in ("resident", "host", "recomputed", "new")}}
 
 
-def decode_under_offload(loaded: LoadedModel, batch: int, steps: int) -> dict[str, Any]:
+def decode_under_offload(loaded: LoadedModel, batch: int, steps: int,
+                         store_gbps: float | None) -> dict[str, Any]:
     """Median decode step time of `batch` running sequences, without and with stores of
-    other sessions' KV in flight on the transfer worker."""
+    other sessions' KV in flight on the transfer worker (capped at `store_gbps`)."""
     engine = LLMEngine(EngineConfig.from_knobs(
         model=loaded.source, num_device_blocks=1400, kv_offloading_size=1.2,
-        kv_write_policy="write_back", max_num_batched_tokens=4096), loaded=loaded)
+        kv_write_policy="write_back", max_num_batched_tokens=4096,
+        max_store_gbps=store_gbps), loaded=loaded)
     assert engine.tier is not None
     rng = random.Random(1)
     vocab = loaded.spec.vocab_size
@@ -103,7 +105,8 @@ def decode_under_offload(loaded: LoadedModel, batch: int, steps: int) -> dict[st
     engine.close()
     base = statistics.median(quiet + quiet_after)
     loaded_step = statistics.median(busy) if busy else float("nan")
-    return {"batch": batch, "quiet_step_s": base, "busy_step_s": loaded_step,
+    return {"batch": batch, "max_store_gbps": store_gbps, "quiet_step_s": base,
+            "busy_step_s": loaded_step,
             "busy_steps": len(busy), "ratio": loaded_step / base,
             "store_gbps": stats.store.gbps, "stored_bytes": stats.store.bytes}
 
@@ -114,25 +117,31 @@ def main() -> int:
     ap.add_argument("--sessions-on-device", type=int, default=4)
     ap.add_argument("--session-tokens", type=int, default=256)
     ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--max-store-gbps", type=float, default=0.5,
+                    help="the store bandwidth cap measured beside the uncapped run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     loaded = load_model(args.model)
     cap = wake_capacity(loaded, args.sessions_on_device, args.session_tokens, 16)
-    dec = decode_under_offload(loaded, args.decode_batch, 12)
+    decs = [decode_under_offload(loaded, args.decode_batch, 12, cap)
+            for cap in (None, args.max_store_gbps)]
     print(f"model {loaded.source}")
     print(f"device {cap['device_blocks']} blocks + host {cap['host_slots']} slots = "
           f"{cap['capacity_sessions']} sessions of {cap['blocks_per_session']} blocks")
     print(f"woke without recompute: {cap['woke_without_recompute']} / "
           f"{cap['capacity_sessions']} = {cap['ratio']:.2f}  {cap['by_residency']}")
-    print(f"decode step, batch {dec['batch']}: quiet {dec['quiet_step_s'] * 1e3:.1f} ms, "
-          f"with offloads in flight {dec['busy_step_s'] * 1e3:.1f} ms "
-          f"({dec['busy_steps']} steps, x{dec['ratio']:.2f}; stores at "
-          f"{dec['store_gbps']:.1f} GB/s)")
-    targets = {"wake_without_recompute_ge_0.95x_capacity": cap["ratio"] >= 0.95,
-               "decode_step_with_offloads_le_1.1x": dec["ratio"] <= 1.1}
+    for dec in decs:
+        print(f"decode step, batch {dec['batch']}, max_store_gbps={dec['max_store_gbps']}: "
+              f"quiet {dec['quiet_step_s'] * 1e3:.1f} ms, with offloads in flight "
+              f"{dec['busy_step_s'] * 1e3:.1f} ms ({dec['busy_steps']} steps, "
+              f"x{dec['ratio']:.2f}; stores at {dec['store_gbps']:.1f} GB/s while busy)")
+    targets = {"wake_without_recompute_ge_0.95x_capacity": cap["ratio"] >= 0.95}
+    for dec in decs:
+        targets[f"decode_step_with_offloads_le_1.1x@max_store_gbps={dec['max_store_gbps']}"] = (
+            dec["ratio"] <= 1.1)
     for name, ok in targets.items():
         print(f"target {name}: {'PASS' if ok else 'MISS'}")
-    path = write_result("capacity", {"model": loaded.source, "capacity": cap, "decode": dec,
+    path = write_result("capacity", {"model": loaded.source, "capacity": cap, "decode": decs,
                                      "targets": targets}, args.out)
     print(f"wrote {path}")
     return 0

@@ -66,6 +66,9 @@ class OffloadConfig:
     max_load_tokens: int | None = None  # per request; the rest is recomputed
     max_offload_tokens: int | None = None  # per request
     blocks_per_chunk: int = 16
+    # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
+    # decode, which is bound by it. None: copy as fast as the link allows. Loads never wait.
+    max_store_gbps: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +98,8 @@ class OffloadConfig:
                 raise ConfigError(f"{name}={cap} must be >= 0")
         if self.blocks_per_chunk < 1:
             raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
+        if self.max_store_gbps is not None and not self.max_store_gbps > 0:
+            raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
 
 
 @dataclass(frozen=True)

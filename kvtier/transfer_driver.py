@@ -47,7 +47,8 @@ class TransferDriver:
             )
         oc = config.offload
         host = HostPool.from_size(oc.kv_offloading_size, runner.kv)
-        transfer = TransferEngine(runner.kv, host, oc.blocks_per_chunk)
+        transfer = TransferEngine(runner.kv, host, oc.blocks_per_chunk,
+                                  store_gbps=oc.max_store_gbps)
         try:
             calibration = calibrate(runner, transfer, host)
         except BaseException:

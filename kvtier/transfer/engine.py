@@ -84,6 +84,7 @@ class TransferEngine:
         host: HostPool,
         blocks_per_chunk: int = 16,
         fault: Fault | None = None,
+        store_gbps: float | None = None,
     ) -> None:
         # device_kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
         if tuple(device_kv.shape[1:]) != host.block_shape or device_kv.dtype != host.dtype:
@@ -102,6 +103,7 @@ class TransferEngine:
         self.host = host
         self.blocks_per_chunk = blocks_per_chunk
         self.fault = fault
+        self.store_gbps = store_gbps  # CPU: cap on store bandwidth, so stores yield to compute
         self._cuda = device_kv.is_cuda
         self._streams: dict[Direction, Any] = {}
         if self._cuda:
@@ -301,6 +303,10 @@ class TransferEngine:
                 self._queues[spec.direction].popleft()
                 self._retire_locked(job)
             self._cond.notify_all()
+            if self.store_gbps and event is None and spec.direction is Direction.STORE:
+                # Stores are background work: pause so they average at most store_gbps and
+                # leave memory bandwidth to decode. A submitted load wakes the worker early.
+                self._cond.wait(max(0.0, nbytes / (self.store_gbps * 1e9) - (end - start)))
 
     def _copy(self, job: _Job, idx: int) -> int:
         spec, host = job.spec, self.host.tensor
