@@ -8,32 +8,9 @@ import sys
 import time
 from typing import Any
 
-from kvtier.config import knob_fields
+from kvtier.bench.cli import add_bench_args
 from kvtier.errors import KvtierError
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine knob (`--max-num-seqs` for `max_num_seqs`), defaults from the config."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
-                       help="HF directory, .gguf file, preset name (tiny); default: SmolLM2-135M")
-    for f in knob_fields():
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        if kind == "bool":
-            group.add_argument(flag, dest=f.name, default=None,
-                               action=argparse.BooleanOptionalAction)
-            continue
-        parse = float if kind.startswith("float") else int if kind.startswith("int") else str
-        group.add_argument(flag, dest=f.name, type=parse, default=None,
-                           help=f"default: {f.default}")
-
-
-def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for f in knob_fields()} - {"model"}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+from kvtier.flags import add_engine_args, engine_knobs
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -159,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, 256)
     add_engine_args(chat)
     chat.set_defaults(func=_cmd_chat)
+    add_bench_args(sub)
     selftest = sub.add_parser("selftest", help="cold vs warm: restored KV must be exact")
     selftest.add_argument("--conversations", type=int, default=4)
     selftest.add_argument("--turns", type=int, default=3)
