@@ -22,12 +22,10 @@ overwrites a block an earlier kernel still reads); consumers of a load wait on i
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +33,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.transfer.copy import copy_blocks, copy_layer, layer_index
 from kvtier.transfer.host_memory import HostPool
+from kvtier.transfer.job import Job, JobState
 from kvtier.transfer.spec import (
     Direction,
     DirectionCounter,
@@ -49,30 +48,6 @@ CUDA_POLL_S = 1e-4  # how often a host wait re-queries a CUDA event
 CLOSE_JOIN_S = 5.0  # close() gives the worker this long to finish its current step
 DELIVERED_MEMORY = 4096  # outcomes of delivered jobs kept for late wait_layer/is_done calls
 CLOSED_ERROR = "transfer engine closed before the job finished"
-
-
-class _State(enum.Enum):
-    QUEUED = "queued"  # waiting or being copied by the worker
-    INFLIGHT = "inflight"  # CUDA: every step issued (or the job failed); waiting for the GPU
-    FINISHED = "finished"  # result ready, not yet delivered
-
-
-@dataclass(eq=False)
-class _Job:
-    id: int
-    spec: TransferSpec
-    num_steps: int
-    state: _State = _State.QUEUED
-    next_step: int = 0
-    bytes: int = 0
-    layers_ready: int = 0  # layerwise: layers copied (CPU) or issued with an event (CUDA)
-    started: float | None = None
-    error: str | None = None
-    result: TransferResult | None = None
-    index: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU layerwise index tensors
-    ready_event: Any = None  # CUDA: the submitter's stream at submit time
-    start_event: Any = None  # CUDA: recorded on the side stream before the first copy
-    events: list[Any] = field(default_factory=list)  # CUDA: one per issued step
 
 
 class TransferEngine:
@@ -109,10 +84,10 @@ class TransferEngine:
         if self._cuda:
             self._streams = {d: torch.cuda.Stream(device=device_kv.device) for d in Direction}
         self._cond = threading.Condition()
-        self._queues: dict[Direction, deque[_Job]] = {d: deque() for d in Direction}
-        self._jobs: dict[int, _Job] = {}  # submitted and not yet delivered
-        self._inflight: list[_Job] = []
-        self._finished: deque[_Job] = deque()  # in order of completion
+        self._queues: dict[Direction, deque[Job]] = {d: deque() for d in Direction}
+        self._jobs: dict[int, Job] = {}  # submitted and not yet delivered
+        self._inflight: list[Job] = []
+        self._finished: deque[Job] = deque()  # in order of completion
         self._delivered: OrderedDict[int, bool] = OrderedDict()
         self._next_id = 0
         self._closing = False
@@ -128,9 +103,12 @@ class TransferEngine:
             raise ValueError(f"device block {max(spec.device_blocks)} >= {num_blocks} blocks")
         if spec.host_slots and max(spec.host_slots) >= self.host.num_slots:
             raise ValueError(f"host slot {max(spec.host_slots)} >= {self.host.num_slots} slots")
-        steps = num_layers if spec.layerwise else max(1, math.ceil(
-            spec.num_blocks / self.blocks_per_chunk))
-        job = _Job(id=-1, spec=spec, num_steps=steps)
+        # Stores go in chunks so a load never waits behind a long one; a whole-block load is
+        # one step (nothing preempts it, and each step costs a worker hand-off).
+        chunks = 1 if spec.direction is Direction.LOAD else math.ceil(
+            spec.num_blocks / self.blocks_per_chunk)
+        steps = num_layers if spec.layerwise else max(1, chunks)
+        job = Job(id=-1, spec=spec, num_steps=steps)
         if self._cuda:
             job.ready_event = torch.cuda.Event()
             job.ready_event.record(torch.cuda.current_stream(self.device_kv.device))
@@ -163,7 +141,7 @@ class TransferEngine:
             job = self._pending_locked(job_id)
             while True:
                 self._reap_locked()
-                if job.state is _State.FINISHED:
+                if job.state is JobState.FINISHED:
                     return self._deliver_locked(job)
                 self._cond.wait(self._wait_slice_locked(job, deadline))
 
@@ -185,7 +163,7 @@ class TransferEngine:
             while True:
                 self._reap_locked()
                 arrived = self._layer_ready_locked(job, layer)
-                if arrived is not None or job.state is _State.FINISHED:
+                if arrived is not None or job.state is JobState.FINISHED:
                     break
                 self._cond.wait(self._wait_slice_locked(job, deadline))
         if arrived is None:  # finished without that layer
@@ -203,7 +181,7 @@ class TransferEngine:
             if job is None:
                 return True
             self._reap_locked()
-            return job.state is _State.FINISHED
+            return job.state is JobState.FINISHED
 
     def stats(self) -> TransferStats:
         """Counters per direction since construction or the last `reset_stats()`."""
@@ -257,14 +235,14 @@ class TransferEngine:
             except Exception as e:  # a failed job must never take the worker down with it
                 self._fail(job, f"{type(e).__name__}: {e}")
 
-    def _head_locked(self) -> _Job | None:
+    def _head_locked(self) -> Job | None:
         """The next job to advance: loads first, then stores, each in order of submission."""
         for direction in (Direction.LOAD, Direction.STORE):
             if self._queues[direction]:
                 return self._queues[direction][0]
         return None
 
-    def _step(self, job: _Job) -> None:
+    def _step(self, job: Job) -> None:
         """Copy (CPU) or issue (CUDA) the job's next step, then account for it."""
         idx, spec = job.next_step, job.spec
         if self.fault is not None and self.fault(spec, idx):
@@ -287,7 +265,7 @@ class TransferEngine:
             nbytes = self._copy(job, idx)
         end = time.perf_counter()
         with self._cond:
-            if job.state is not _State.QUEUED:  # closed meanwhile
+            if job.state is not JobState.QUEUED:  # closed meanwhile
                 return
             job.started = start if job.started is None else job.started
             job.next_step += 1
@@ -308,16 +286,17 @@ class TransferEngine:
                 # leave memory bandwidth to decode. A submitted load wakes the worker early.
                 self._cond.wait(max(0.0, nbytes / (self.store_gbps * 1e9) - (end - start)))
 
-    def _copy(self, job: _Job, idx: int) -> int:
+    def _copy(self, job: Job, idx: int) -> int:
         spec, host = job.spec, self.host.tensor
         if spec.layerwise:
             return copy_layer(self.device_kv, host, idx, spec.device_blocks, spec.host_slots,
                               job.index)
-        lo, hi = idx * self.blocks_per_chunk, (idx + 1) * self.blocks_per_chunk
+        per_step = spec.num_blocks if spec.direction is Direction.LOAD else self.blocks_per_chunk
+        lo, hi = idx * per_step, (idx + 1) * per_step
         return copy_blocks(self.device_kv, host, spec.device_blocks[lo:hi],
                            spec.host_slots[lo:hi], store=spec.direction is Direction.STORE)
 
-    def _fail(self, job: _Job, error: str) -> None:
+    def _fail(self, job: Job, error: str) -> None:
         event = None
         if self._cuda and job.start_event is not None:
             try:  # covers whatever the failed step issued before raising
@@ -326,7 +305,7 @@ class TransferEngine:
             except Exception:
                 event = None
         with self._cond:
-            if job.state is not _State.QUEUED:
+            if job.state is not JobState.QUEUED:
                 return
             job.error = error
             if event is not None:
@@ -337,10 +316,10 @@ class TransferEngine:
             self._retire_locked(job)
             self._cond.notify_all()
 
-    def _retire_locked(self, job: _Job) -> None:
+    def _retire_locked(self, job: Job) -> None:
         """A job with nothing left to issue: finished now (CPU) or when its events are."""
         if job.events:
-            job.state = _State.INFLIGHT
+            job.state = JobState.INFLIGHT
             self._inflight.append(job)
         else:
             self._finish_locked(job)
@@ -352,7 +331,7 @@ class TransferEngine:
         for job in done:
             self._finish_locked(job)
 
-    def _finish_locked(self, job: _Job) -> None:
+    def _finish_locked(self, job: Job) -> None:
         counter = self._counters[job.spec.direction]
         if job.events:  # CUDA: time the copies on the GPU's own clock
             seconds = job.start_event.elapsed_time(job.events[-1]) / 1e3
@@ -364,12 +343,12 @@ class TransferEngine:
         counter.failures += job.error is not None
         job.result = TransferResult(job.id, job.spec, job.error is None, job.bytes, seconds,
                                     job.error)
-        job.state = _State.FINISHED
+        job.state = JobState.FINISHED
         job.index = None
         self._finished.append(job)
         self._cond.notify_all()
 
-    def _deliver_locked(self, job: _Job) -> TransferResult:
+    def _deliver_locked(self, job: Job) -> TransferResult:
         self._finished.remove(job)
         del self._jobs[job.id]
         assert job.result is not None
@@ -378,28 +357,28 @@ class TransferEngine:
             self._delivered.popitem(last=False)
         return job.result
 
-    def _pending_locked(self, job_id: int) -> _Job:
+    def _pending_locked(self, job_id: int) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
             state = "already delivered" if 0 <= job_id < self._next_id else "unknown"
             raise ValueError(f"transfer job {job_id} is {state}")
         return job
 
-    def _layer_ready_locked(self, job: _Job, layer: int) -> Any:
+    def _layer_ready_locked(self, job: Job, layer: int) -> Any:
         """None until the layer is in place; then True (CPU) or the CUDA event to wait on."""
         if job.spec.layerwise:
             if job.layers_ready <= layer:
                 return None
             return job.events[layer] if self._cuda else True
-        if job.error is not None or job.state is _State.QUEUED:
+        if job.error is not None or job.state is JobState.QUEUED:
             return None  # failed, or not all issued yet
-        return job.events[-1] if self._cuda else (True if job.state is _State.FINISHED else None)
+        return job.events[-1] if self._cuda else (True if job.state is JobState.FINISHED else None)
 
-    def _wait_slice_locked(self, job: _Job, deadline: float | None) -> float | None:
+    def _wait_slice_locked(self, job: Job, deadline: float | None) -> float | None:
         """How long the next condition wait may sleep; TimeoutError past the deadline."""
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise TimeoutError(f"transfer job {job.id} still running at its timeout")
-        if job.state is _State.INFLIGHT:  # the GPU, not the worker, will finish it
+        if job.state is JobState.INFLIGHT:  # the GPU, not the worker, will finish it
             return CUDA_POLL_S if remaining is None else min(remaining, CUDA_POLL_S)
         return remaining
