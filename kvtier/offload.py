@@ -63,6 +63,9 @@ class _Job:
     request_id: str | None = None
     predicted_s: float | None = None
     demote: bool = False  # idle demotion: forget the device copy once the host has it
+    # Blocks taken from the eviction end of the free queue (write-back, demotion) go back
+    # there; others (write-through, swap) return as recently used.
+    from_eviction_end: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -102,7 +105,8 @@ class HostOffload:
         return sum(1 for j in self.jobs.values() if j.transfer.kind == "store")
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], demote: bool = False) -> bool:
+              tokens: Sequence[Sequence[int]], demote: bool = False,
+              from_eviction_end: bool = False) -> bool:
         """Copy blocks the host lacks; False if the tier could not make room (nothing changes)."""
         if not keys:
             return True
@@ -116,7 +120,7 @@ class HostOffload:
         blocks = tuple(where[k] for k in prepared.keys)
         self.pool.touch(blocks)  # the device bytes must outlive the copy
         self._add(_Job(BlockTransfer(next(self._refs), "store", blocks, tuple(prepared.slots)),
-                       list(prepared.keys), demote=demote))
+                       list(prepared.keys), demote=demote, from_eviction_end=from_eviction_end))
         return True
 
     def host_hits(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> int:
@@ -147,8 +151,8 @@ class HostOffload:
                 self.stats.stored_bytes += nbytes
             else:
                 self.stats.failed_stores += 1
-            # Safe on host: the first to go when the device needs room; idle ones go now.
-            self.pool.free(t.device_blocks, evict_first=success)
+            # Idle or about-to-be-evicted blocks go back where they were: first to be reused.
+            self.pool.free(t.device_blocks, evict_first=success and job.from_eviction_end)
             if success and job.demote:
                 for block in t.device_blocks:
                     if self.pool.ref_cnt[block] == 0 and self.pool.key[block] is not None:
@@ -217,4 +221,4 @@ class HostOffload:
             keys.append(key)
             tokens.append(self.pool.tokens[block] or ())
         if keys:
-            self.store(missing_blocks, keys, tokens, demote=demote)
+            self.store(missing_blocks, keys, tokens, demote=demote, from_eviction_end=True)

@@ -195,6 +195,7 @@ class Scheduler:
         d = len(plan.prefix.block_ids)
         if table is None or seq.is_finished:  # aborted while loading: release now
             self.kv.free(seq.request_id)
+            self.namespaces.pop(seq.request_id, None)
             return done.success
         seq.restore_s += done.seconds
         for i in range(d, d + len(plan.load_keys)):

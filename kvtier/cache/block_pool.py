@@ -69,11 +69,12 @@ class BlockPool:
     def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
         """Drop one reference each; pass blocks tail first so a prefix outlives its suffix.
 
-        `evict_first` queues blocks that reach zero at the eviction end (their bytes are safe
-        in a lower tier, so they are the cheapest to lose).
+        `evict_first` queues blocks that reach zero at the eviction end, in the given order
+        (their bytes are safe in a lower tier, so they are the cheapest to lose).
         """
         now = time.monotonic()
-        for block_id in block_ids:
+        # At the eviction end, the first id must end up first: queue them last to first.
+        for block_id in reversed(block_ids) if evict_first else block_ids:
             assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
