@@ -20,8 +20,8 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from kvtier.errors import ModelLoadError
-from kvtier.model.loader import SUPPORTED_ARCHITECTURES as ARCHITECTURES
-from kvtier.model.loader import LoadedModel, weights_digest
+from kvtier.model.loaded import SUPPORTED_ARCHITECTURES as ARCHITECTURES
+from kvtier.model.loaded import LoadedModel, weights_digest
 from kvtier.model.spec import ModelSpec
 from kvtier.model.tokenizer import Tokenizer
 

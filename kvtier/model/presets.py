@@ -17,7 +17,7 @@ from tokenizers.models import BPE
 
 from kvtier.errors import ModelLoadError
 from kvtier.model.gguf import byte_alphabet
-from kvtier.model.loader import LoadedModel
+from kvtier.model.loaded import LoadedModel
 from kvtier.model.spec import ModelSpec
 from kvtier.model.tokenizer import Tokenizer
 
