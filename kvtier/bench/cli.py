@@ -90,10 +90,9 @@ def _git_sha() -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvtier.bench.trace import generate, load_trace
-
     from kvtier.bench import report
     from kvtier.bench.run import run_config
+    from kvtier.bench.trace import generate, load_trace
     from kvtier.model.loader import load_model
 
     loaded = load_model(args.model)
