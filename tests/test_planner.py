@@ -52,12 +52,3 @@ def test_online_updates_and_error_report() -> None:
     assert report["restore"]["median_rel_error"] == pytest.approx(1.0)  # |0.2 - 0.1| / 0.1
     assert report["recompute"]["median_rel_error"] == pytest.approx(2.0)
 
-
-def test_nearest_rank_percentiles() -> None:
-    from kvtier.stats import percentile
-
-    assert percentile([1, 2, 3, 4, 5, 6], 50) == 3
-    assert percentile(list(range(1, 11)), 90) == 9
-    assert percentile([1, 2], 50) == 1
-    assert percentile([5], 99) == 5 and percentile([], 50) is None
-    assert percentile(list(range(1, 101)), 99) == 99
