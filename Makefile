@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvtier generate "Explain in two sentences why a KV cache makes decoding fast." --max-tokens 64
+	$(BIN)/kvtier bench
 
 test: $(STAMP)
 	$(BIN)/ruff check kvtier tests benchmarks

@@ -1,7 +1,13 @@
 """Restore or recompute: the one piece of arithmetic the tier is betting on.
 
     restore_s   = kv_bytes / link_bytes_per_s + per_transfer_overhead_s
-    recompute_s = tokens / prefill_tokens_per_s
+    recompute_s = tokens / prefill_tokens_per_s + attention_s_per_token2 * tokens**2 / 2
+
+The quadratic term is causal attention: token i attends to i earlier tokens, so a prompt of
+T tokens costs ~T**2 / 2 query-key pairs on top of the per-token weight matmuls. It is why
+the restore-over-recompute gain grows with prompt length (restore stays linear in bytes plus
+a fixed overhead). It defaults to 0 (the engine measures only the linear term online);
+`kvtier plan` sets it from FLOPs: 4 * layers * hidden / (flops * mfu) seconds per token**2.
 
 `kvtier plan` (offline, hardware presets) and the scheduler (online, calibrated at start and
 updated from every real transfer and prefill) share this class, so the prediction and the
@@ -11,6 +17,7 @@ so the planner's error is reported, not assumed.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,11 +36,13 @@ class Decision:
 
 @dataclass
 class Calibration:
-    """The three numbers the arithmetic needs; EMA-updated from observations."""
+    """The numbers the arithmetic needs; link and linear prefill EMA-updated from observations."""
 
     link_gbps: float  # 1e9 bytes per second, host -> device
     transfer_overhead_s: float  # fixed cost of one load job (submit, sync, bookkeeping)
-    prefill_tokens_per_s: float
+    prefill_tokens_per_s: float  # the linear (weight-matmul) part of prefill speed
+    # causal attention: seconds per token**2, charged as a * T**2 / 2 (0: linear model)
+    attention_s_per_token2: float = 0.0
 
 
 @dataclass
@@ -59,7 +68,14 @@ class Planner:
         return nbytes / (c.link_gbps * 1e9) + c.transfer_overhead_s
 
     def recompute_s(self, tokens: int) -> float:
-        return tokens / self.calibration.prefill_tokens_per_s
+        return self.prefill_s(tokens)
+
+    def prefill_s(self, tokens: int, cached_tokens: int = 0) -> float:
+        """Prefill `tokens` new tokens after `cached_tokens` already in the cache."""
+        c = self.calibration
+        end = cached_tokens + tokens
+        attention = c.attention_s_per_token2 * (end * end - cached_tokens * cached_tokens) / 2
+        return tokens / c.prefill_tokens_per_s + attention
 
     def decide(self, tokens: int, nbytes: int, mode: str = "auto") -> Decision:
         """`mode` is the user's preemption_mode: auto compares; swap/recompute force a side."""
@@ -73,12 +89,22 @@ class Planner:
         return Decision(choice, restore, recompute, tokens, nbytes)
 
     def crossover_tokens(self, bytes_per_token: float) -> float | None:
-        """Tokens above which restoring beats recomputing (None: restore always wins or never)."""
+        """Tokens above which restoring beats recomputing (None: restore always wins or never).
+
+        With an attention term a > 0 the gain a*T**2/2 + g*T - overhead always turns positive,
+        so the root of that quadratic is returned even when the linear gain g is negative.
+        """
         c = self.calibration
         per_token_gain = 1 / c.prefill_tokens_per_s - bytes_per_token / (c.link_gbps * 1e9)
-        if per_token_gain <= 0:
-            return None
-        return c.transfer_overhead_s / per_token_gain
+        a, overhead = c.attention_s_per_token2, c.transfer_overhead_s
+        if a <= 0:
+            if per_token_gain <= 0:
+                return None
+            return overhead / per_token_gain
+        root = math.sqrt(per_token_gain * per_token_gain + 2 * a * overhead)
+        if per_token_gain > 0:  # the cancellation-free form of (-g + root) / a
+            return 2 * overhead / (per_token_gain + root)
+        return (root - per_token_gain) / a
 
     def observe_transfer(self, nbytes: int, seconds: float, predicted_s: float | None = None
                          ) -> None:
@@ -92,11 +118,14 @@ class Planner:
 
     def observe_prefill(self, tokens: int, seconds: float, predicted_s: float | None = None
                         ) -> None:
+        """A measured prefill from scratch: refine the linear term only (the attention term's
+        modelled share is taken off first; with none, this is tokens / seconds)."""
         if predicted_s is not None:
             self._record(Observation("recompute", predicted_s, seconds))
-        if tokens > 0 and seconds > 0:
+        linear_s = seconds - self.calibration.attention_s_per_token2 * tokens * tokens / 2
+        if tokens > 0 and linear_s > 0:
             self.calibration.prefill_tokens_per_s = self._blend(
-                self.calibration.prefill_tokens_per_s, tokens / seconds)
+                self.calibration.prefill_tokens_per_s, tokens / linear_s)
 
     def _blend(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new

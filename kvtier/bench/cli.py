@@ -118,6 +118,10 @@ def run_bench(args: argparse.Namespace) -> int:
     runs = _run_all(loaded, trace, base, configs, run_config)
     summaries = {r.name: report.summarize_config(r.records, r.engine) for r in runs}
     report.print_table(summaries)
+    for r in runs:
+        if r.rejected:
+            print(f"{r.name}: {len(r.rejected)} requests refused by the engine, their sessions "
+                  f"ended there; first: {r.rejected[0]}")
     meta = {"command": " ".join(["kvtier", *sys.argv[1:]]), "git_sha": _git_sha(),
             "hardware": {"machine": platform.machine(), "processor": platform.processor(),
                          "python": platform.python_version()},

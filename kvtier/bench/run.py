@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier.config import EngineConfig
 from kvtier.engine import LLMEngine
+from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
@@ -33,6 +34,7 @@ class ConfigRun:
     engine: dict[str, Any] = field(default_factory=dict)
     link_timeline: list[dict[str, float]] = field(default_factory=list)
     wall_s: float = 0.0
+    rejected: list[str] = field(default_factory=list)  # requests the engine refused, and why
 
 
 class _LinkSampler:
@@ -80,7 +82,12 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
                 prompt = history[sid] + list(req.new_tokens)
                 params = SamplingParams(max_tokens=req.output_tokens, temperature=0.0,
                                         ignore_eos=True)
-                rid = engine.add_request(prompt, params, request_id=f"{sid}/{turn}")
+                try:
+                    rid = engine.add_request(prompt, params, request_id=f"{sid}/{turn}")
+                except RequestError as e:  # e.g. the conversation outgrew the context
+                    run.rejected.append(f"{sid}/{turn}: {e}")
+                    continue  # the session ends here, as a client would give up
+
                 in_flight[rid] = (sid, turn, now, len(prompt))
                 history[sid] = prompt
             if not in_flight:
@@ -104,6 +111,7 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
         run.wall_s = time.perf_counter() - start
         run.engine = engine_stats(engine, log)
         run.engine["host_peak_slots"] = sampler.host_peak
+        run.engine["rejected_requests"] = len(run.rejected)
     finally:
         engine.close()
     return run
