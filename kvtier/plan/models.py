@@ -16,7 +16,7 @@ from types import MappingProxyType
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.model.spec import ModelSpec
 
-KV_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"fp16": 2, "bf16": 2, "fp8": 1})
+KV_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1})
 WEIGHT_BYTES = 2  # bf16/fp16 weights: what the HBM budget and the decode-time model assume
 
 
