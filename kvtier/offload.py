@@ -154,10 +154,10 @@ class HostOffload:
             # Idle or about-to-be-evicted blocks go back where they were: first to be reused.
             self.pool.free(t.device_blocks, evict_first=success and job.from_eviction_end)
             if success and job.demote:
-                for block in t.device_blocks:
-                    if self.pool.ref_cnt[block] == 0 and self.pool.key[block] is not None:
-                        self.pool.uncache(block)
-                        self.stats.demoted_blocks += 1
+                idle = [b for b in t.device_blocks
+                        if self.pool.ref_cnt[b] == 0 and self.pool.key[b] is not None]
+                self.pool.uncache(idle)
+                self.stats.demoted_blocks += len(idle)
             return None
         self.tier.complete_load(job.keys, success)
         swap_keys = [k for k in job.keys if k.startswith(SWAP_PREFIX)]
@@ -208,17 +208,18 @@ class HostOffload:
                 self._store_free_blocks(self.pool.cached_free(at_risk), demote=False)
 
     def _store_free_blocks(self, blocks: list[int], demote: bool) -> None:
-        missing_blocks, keys, tokens = [], [], []
+        missing_blocks, keys, tokens, on_host = [], [], [], []
         for block in blocks:
             key = self.pool.key[block]
             assert key is not None
             if self.tier.lookup([key]) == 1:
-                if demote:
-                    self.pool.uncache(block)
-                    self.stats.demoted_blocks += 1
+                on_host.append(block)
                 continue
             missing_blocks.append(block)
             keys.append(key)
             tokens.append(self.pool.tokens[block] or ())
+        if demote and on_host:
+            self.pool.uncache(on_host)
+            self.stats.demoted_blocks += len(on_host)
         if keys:
             self.store(missing_blocks, keys, tokens, demote=demote, from_eviction_end=True)

@@ -2,7 +2,7 @@
 
 Primitives: `allocate(n)`, `free(ids)`, `lookup(keys, tokens)`, `touch(ids)`, `register(...)`;
 for the tier below: `cached_free(limit, idle_before)` (the next eviction candidates) and
-`uncache(id)` (forget a free block's key once its bytes are safe elsewhere).
+`uncache(ids)` (forget free blocks' keys once their bytes are safe elsewhere).
 A free block whose key is still in the index keeps its bytes until `allocate` reuses it
 (least recently freed first), so a finished prefix stays a cache hit for as long as possible.
 """
@@ -64,7 +64,8 @@ class BlockPool:
             self._evict(block_id)
             self.ref_cnt[block_id] = 1
             ids.append(block_id)
-        return ids
+        # Any free block serves any position: ascending ids make consecutive blocks one copy.
+        return sorted(ids)
 
     def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
         """Drop one reference each; pass blocks tail first so a prefix outlives its suffix.
@@ -141,12 +142,14 @@ class BlockPool:
         """Free blocks holding nothing worth keeping: `allocate` takes these first."""
         return sum(1 for b in self.free_queue if self.key[b] is None)
 
-    def uncache(self, block_id: int) -> None:
-        """Forget a free block's key (its bytes live on in a lower tier); it is reused first."""
-        assert self.ref_cnt[block_id] == 0, f"block {block_id} is in use"
-        self._evict(block_id)
-        self.stats.evictions -= 1  # a demotion, not an eviction under pressure
-        self.free_queue.move_to_end(block_id, last=False)
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Forget free blocks' keys (their bytes live on in a lower tier); they are reused
+        first, in the given order, so a later allocation gets them as one ascending run."""
+        for block_id in reversed(block_ids):
+            assert self.ref_cnt[block_id] == 0, f"block {block_id} is in use"
+            self._evict(block_id)
+            self.stats.evictions -= 1  # a demotion, not an eviction under pressure
+            self.free_queue.move_to_end(block_id, last=False)
 
     def _evict(self, block_id: int) -> None:
         key = self.key[block_id]
