@@ -12,6 +12,7 @@ from kvtier.bench.cli import add_bench_args
 from kvtier.errors import KvtierError
 from kvtier.flags import add_engine_args, engine_knobs
 from kvtier.plan.cli import add_plan_args
+from kvtier.server.cli import add_serve_args
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
     add_bench_args(sub)
     add_plan_args(sub)
+    add_serve_args(sub)
     selftest = sub.add_parser("selftest", help="cold vs warm: restored KV must be exact")
     selftest.add_argument("--conversations", type=int, default=4)
     selftest.add_argument("--turns", type=int, default=3)

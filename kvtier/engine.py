@@ -19,7 +19,7 @@ from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
-from kvtier.output import RequestOutput, StopChecker
+from kvtier.output import RequestOutput, StopChecker, StreamDelta
 from kvtier.scheduler import Scheduler, SchedulerOutput
 from kvtier.sequence import SamplingParams, Sequence
 from kvtier.transfer_driver import TransferDriver
@@ -62,6 +62,8 @@ class LLMEngine:
         self._namespaces: dict[str, BlockKey] = {}
         self._ids = itertools.count()
         self.finished_outputs: list[RequestOutput] = []
+        self._streaming: set[str] = set()
+        self.stream_deltas: list[StreamDelta] = []
 
     def namespace(self, salt: str = "") -> BlockKey:
         if salt not in self._namespaces:
@@ -74,8 +76,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str = "",
+        stream: bool = False,
     ) -> str:
-        """Validate and queue one request; returns its id."""
+        """Validate and queue one request; returns its id. With `stream`, every new token
+        also lands in `stream_deltas` (drained by the caller, e.g. the server's loop)."""
         params = params if params is not None else SamplingParams()
         params.validate()
         text, token_ids = self._tokenize(prompt)
@@ -95,6 +99,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)
         self.scheduler.add(seq, self.namespace(cache_salt))
+        if stream:
+            self._streaming.add(rid)
         return rid
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -160,12 +166,16 @@ class LLMEngine:
                 seq.timings.first_token = now
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
-            if self.stops.check(seq):
+            finished = self.stops.check(seq)
+            if finished:
                 seq.timings.finished = now
                 done.append(seq)
+            if seq.request_id in self._streaming:
+                self.stream_deltas.append(StreamDelta.of(seq, finished))
         self.scheduler.finish(done)
         for seq in done:
             self.runner.sampler.forget(seq.request_id)
+            self._streaming.discard(seq.request_id)
         return [RequestOutput.of(seq) for seq in done]
 
     def demote_cached(self) -> int:
@@ -185,6 +195,7 @@ class LLMEngine:
             self.tier.close()
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        self._streaming.discard(request_id)
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None

@@ -79,6 +79,27 @@ class RequestOutput:
         )
 
 
+@dataclass(frozen=True)
+class StreamDelta:
+    """A streaming request after one more token: its text so far and where its state lived
+    (known from admission on, so a server can send it before the first token)."""
+
+    request_id: str
+    text: str
+    num_tokens: int
+    finished: bool
+    residency: str
+    holdback: int  # trailing characters that may still turn out to begin a stop string
+
+    @classmethod
+    def of(cls, seq: Sequence, finished: bool) -> StreamDelta:
+        hold = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        if not finished:  # a multi-byte character still being assembled decodes as U+FFFD
+            hold = max(hold, len(seq.output_text) - len(seq.output_text.rstrip("\ufffd")))
+        return cls(seq.request_id, seq.output_text, len(seq.output_token_ids), finished,
+                   seq.residency, hold)
+
+
 class StopChecker:
     """Detokenizes a sequence's output and decides whether its last token ends it."""
 

@@ -1,0 +1,206 @@
+"""Prometheus families for the server's `/metrics`, TTFT split by where the state lived.
+
+One `Metrics` object owns a private `CollectorRegistry`; nothing is registered at import and
+two objects never share a series. Primitives:
+
+  observe_request(out)              a finished RequestOutput -> histograms and counters
+  observe_error(code)               one request refused with an HTTP status (400, 404, 413 ...)
+  refresh(stats, running, waiting)  latest `stats.engine_stats(...)` snapshot -> gauges
+  render()                          (body, content type) for the HTTP response
+
+Per-request families are live `prometheus_client` objects. Engine-wide values are read
+from the snapshot the last `refresh` stored, by a collector at scrape time; the engine's
+own monotonic numbers (link bytes, preemptions, failed transfers) are exposed as counters.
+With the host tier off (`host_tier: None`) its families stay at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.sequence import RESIDENCY_CLASSES
+
+if TYPE_CHECKING:
+    from kvtier.output import RequestOutput
+
+PREFIX = "kvtier_"
+FINISH_STATUSES = ("stop", "length", "abort", "error")
+DIRECTIONS = ("store", "load")
+
+# 5 ms .. 60 s: a resident prefix hit sits at the bottom, a long recompute at the top.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+                1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+# 1 ms .. 2.5 s per output token.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+               0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+# 0 (nothing restored), then 64 KiB .. 16 GiB in steps of 4x.
+RESTORE_BYTES_BUCKETS = (0.0, *(float(4**k * 64 * 1024) for k in range(10)))
+
+
+class Metrics:
+    """The server's Prometheus families on a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time from arrival to first token, by where the request's prior state lived.",
+            ["residency"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Mean time between output tokens of one request, by residency.",
+            ["residency"], buckets=ITL_BUCKETS, registry=r)
+        self.restore_bytes = Histogram(
+            f"{PREFIX}restore_bytes", "Bytes restored from the host tier per request.",
+            buckets=RESTORE_BYTES_BUCKETS, registry=r)
+        self.requests = Counter(
+            f"{PREFIX}requests", "Finished requests by finish reason.", ["status"], registry=r)
+        self.errors = Counter(
+            f"{PREFIX}request_errors", "Requests refused, by HTTP status code.", ["code"],
+            registry=r)
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Output tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter(
+            f"{PREFIX}cached_tokens", "Prompt tokens found in the device prefix cache.",
+            registry=r)
+        self.restored_tokens = Counter(
+            f"{PREFIX}restored_tokens", "Tokens whose KV was loaded from the host tier.",
+            registry=r)
+        self.recomputed_tokens = Counter(
+            f"{PREFIX}recomputed_tokens", "Tokens whose KV existed but was computed again.",
+            registry=r)
+        # Every label value exists from the start, so dashboards see 0 rather than no series.
+        for cls in RESIDENCY_CLASSES:
+            self.ttft.labels(residency=cls)
+            self.itl.labels(residency=cls)
+        for status in FINISH_STATUSES:
+            self.requests.labels(status=status)
+        self._engine = EngineCollector()
+        r.register(self._engine)
+
+    def observe_request(self, out: RequestOutput) -> None:
+        """Count one finished request; TTFT and ITL are skipped where their timing is None."""
+        residency = out.residency
+        m = out.metrics
+        if m.ttft_s is not None:
+            self.ttft.labels(residency=residency).observe(m.ttft_s)
+        if m.decode_s is not None and len(out.token_ids) > 1:
+            self.itl.labels(residency=residency).observe(m.decode_s / (len(out.token_ids) - 1))
+        self.restore_bytes.observe(out.restore_bytes)
+        status = out.finish_reason if out.finish_reason in FINISH_STATUSES else (
+            "abort" if out.finish_reason is None else "error")
+        self.requests.labels(status=status).inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        self.cached_tokens.inc(out.num_cached_tokens)
+        self.restored_tokens.inc(out.num_restored_tokens)
+        self.recomputed_tokens.inc(out.num_recomputed_tokens)
+
+    def observe_error(self, code: int) -> None:
+        """Count one request the server refused with HTTP status `code`."""
+        self.errors.labels(code=str(int(code))).inc()
+
+    def refresh(self, stats: Mapping[str, Any], running: int = 0, waiting: int = 0) -> None:
+        """Keep `engine_stats(...)`'s snapshot (and the queue lengths) for the next scrape."""
+        self._engine.update(stats, running, waiting)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _num(d: Mapping[str, Any] | None, key: str) -> float:
+    """`d[key]` as a float; 0 where the section or key is missing or None."""
+    if not d:
+        return 0.0
+    v = d.get(key)
+    return 0.0 if v is None else float(v)
+
+
+class EngineCollector:
+    """Turns the last `engine_stats` snapshot into gauge and counter families at scrape time."""
+
+    def __init__(self) -> None:
+        self._stats: Mapping[str, Any] = {}
+        self._running = 0
+        self._waiting = 0
+
+    def update(self, stats: Mapping[str, Any], running: int, waiting: int) -> None:
+        self._stats, self._running, self._waiting = stats, running, waiting
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families({}, 0, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._stats, self._running, self._waiting)
+
+    @staticmethod
+    def _families(s: Mapping[str, Any], running: int, waiting: int) -> Iterator[Metric]:
+        tier: Mapping[str, Any] = s.get("host_tier") or {}  # None: the tier is off
+        link: Mapping[str, Any] = tier.get("link") or {}
+
+        dev = s.get("device_blocks")
+        f = GaugeMetricFamily(f"{PREFIX}device_blocks", "Device KV blocks by state.",
+                              labels=["state"])
+        for state in ("used", "cached", "total"):
+            f.add_metric([state], _num(dev, state))
+        yield f
+
+        slots = tier.get("slots")
+        f = GaugeMetricFamily(f"{PREFIX}host_slots", "Host tier slots by state.",
+                              labels=["state"])
+        for state in ("used", "pinned", "capacity"):
+            f.add_metric([state], _num(slots, state))
+        yield f
+
+        mem = tier.get("memory")
+        f = GaugeMetricFamily(f"{PREFIX}host_pool_bytes",
+                              "Host pool memory: allocated, pinned, and RSS growth at allocation.",
+                              labels=["kind"])
+        for kind in ("allocated", "pinned", "rss_growth"):
+            f.add_metric([kind], _num(mem, f"{kind}_bytes"))
+        yield f
+
+        f = GaugeMetricFamily(f"{PREFIX}link_busy_fraction",
+                              "Fraction of wall time the host link spent copying.",
+                              labels=["direction"])
+        for d in DIRECTIONS:
+            f.add_metric([d], _num(link.get(d), "utilisation"))
+        yield f
+
+        f = CounterMetricFamily(f"{PREFIX}link_bytes", "Bytes copied over the host link.",
+                                labels=["direction"])
+        for d in DIRECTIONS:
+            f.add_metric([d], _num(link.get(d), "bytes"))
+        yield f
+
+        pre = s.get("preemptions")
+        f = CounterMetricFamily(f"{PREFIX}preemptions", "Preemptions by mode.", labels=["mode"])
+        for mode in ("swap", "recompute"):
+            f.add_metric([mode], _num(pre, mode))
+        yield f
+
+        f = CounterMetricFamily(f"{PREFIX}failed_transfers",
+                                "Host tier transfers that failed (their tokens are recomputed).",
+                                labels=["direction"])
+        f.add_metric(["store"], _num(tier, "failed_stores"))
+        f.add_metric(["load"], _num(tier, "failed_loads"))
+        yield f
+
+        yield GaugeMetricFamily(f"{PREFIX}requests_running", "Requests running now.",
+                                value=running)
+        yield GaugeMetricFamily(f"{PREFIX}requests_waiting", "Requests waiting to be admitted.",
+                                value=waiting)

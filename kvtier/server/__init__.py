@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request schemas, the engine's background loop, the app."""
