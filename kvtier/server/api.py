@@ -71,7 +71,7 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise ApiError(400, f"{where}: {first['msg']}", param=None) from None
+            raise ApiError(400, f"{where}: {first['msg']}") from None
         if parsed.model not in names:
             raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves "
                            f"'{served_name}'", "model_not_found")

@@ -64,9 +64,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     @app.on_event("shutdown")
     async def _stop() -> None:  # SIGTERM: abort what runs, release the pools
-        loop.shutdown()
+        aborted = loop.shutdown()
+        print(f"kvtier serve: shut down; {aborted} in-flight requests aborted, pools released",
+              flush=True)
 
     print(f"kvtier serve: model '{name}' on http://{args.host}:{args.port}/v1", flush=True)
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown, as servers do.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=10)
     return 0

@@ -136,12 +136,17 @@ class EngineLoop:
     def _send(stream: RequestStream, event: Any) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is still running, stop the thread, release the pools."""
+    def shutdown(self, timeout: float = 10.0) -> int:
+        """Abort what is still running, stop the thread, release the pools; how many were
+        aborted."""
+        aborted = 0
+
         def abort_all() -> None:
+            nonlocal aborted
             for rid in list(self._streams):
                 stream = self._streams.pop(rid)
                 out = self.engine.abort(rid)
+                aborted += 1
                 if out is not None:
                     self._send(stream, out)
 
@@ -154,3 +159,4 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.engine.close()
+        return aborted
