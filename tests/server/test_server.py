@@ -83,8 +83,9 @@ def test_a_woken_session_reports_host(server: str) -> None:
     # idle_offload_s=0.3: after a pause the conversation's KV is on host, and the next turn
     # says so in its header and usage
     with httpx.Client(base_url=server, headers={"authorization": "Bearer key-a"}) as h:
-        body = {"model": "tiny", "messages": [*CONVERSATION, {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Why?"}],
-            "max_tokens": 4, "temperature": 0}
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [
+            *CONVERSATION, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Why?"}]}
         first = h.post("/v1/chat/completions", json=body)
         assert first.status_code == 200
         time.sleep(1.0)
