@@ -55,3 +55,29 @@ def pytest_report_header() -> str:
 
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (gpu tests skip)"
     return f"kvtier: torch {torch.__version__}, threads {torch.get_num_threads()}, CUDA: {cuda}"
+
+
+def start_server(*args: str) -> tuple[Any, str]:
+    """`kvtier serve` on a free loopback port with the tiny model; (process, base url)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--model", "tiny", "--port", str(port),
+         *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"kvtier serve did not start: {proc.communicate()[0]}")

@@ -40,6 +40,11 @@ def add_bench_args(sub: Any) -> None:
     p.add_argument("--config", action="append", default=[], metavar="NAME:KNOB=V,...",
                    help="an extra configuration (repeatable), e.g. swap:preemption_mode=swap")
     p.add_argument("--only", action="store_true", help="run only the --config ones")
+    p.add_argument("--url", default=None,
+                   help="drive a running OpenAI-compatible server instead of an in-process "
+                        "engine (its own configuration; --config does not apply)")
+    p.add_argument("--api-key", default=None, help="with --url: the bearer key")
+    p.add_argument("--served-model", default="default", help="with --url: the model name")
     p.add_argument("--out", default=None, help="output directory (kvtier-bench-<timestamp>)")
     add_engine_args(p)
     p.set_defaults(func=run_bench)
@@ -115,7 +120,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--only with no --config: nothing to run")
     out_dir = Path(args.out or f"kvtier-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = _run_all(loaded, trace, base, configs, run_config)
+    if args.url:
+        from kvtier.bench.remote import run_remote
+
+        if args.config:
+            raise ConfigError("--config does not apply with --url: the server has its own")
+        runs = [run_remote(args.url, trace, "remote", args.served_model, args.api_key)]
+    else:
+        runs = _run_all(loaded, trace, base, configs, run_config)
     summaries = {r.name: report.summarize_config(r.records, r.engine) for r in runs}
     report.print_table(summaries)
     for r in runs:

@@ -137,7 +137,7 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
             raise
         residency = first.residency
         headers = {RESIDENCY_HEADER: residency}
-        shape = _Shape(stream.request_id, served_name, chat)
+        shape = _Shape(stream.request_id, served_name, chat, req.return_token_ids)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(sse(stream, first, events, shape, usage),
@@ -165,7 +165,7 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
                 if isinstance(event, RequestOutput):
                     if len(event.text) > sent:
                         yield shape.chunk(event.text[sent:], None)
-                    yield shape.chunk("", event.finish_reason)
+                    yield shape.chunk("", event.finish_reason, event.token_ids)
                     if usage:
                         yield shape.usage_chunk(event)
                     yield b"data: [DONE]\n\n"
@@ -187,10 +187,11 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
 class _Shape:
     """OpenAI's JSON shapes for one request: whole responses, SSE chunks, usage."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, token_ids: bool = False) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.split("-")[-1]
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.first = True
+        self.with_token_ids = token_ids
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -199,13 +200,17 @@ class _Shape:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "finish_reason": out.finish_reason, "logprobs": None}
-            return {**self._base("chat.completion"), "choices": [choice],
-                    "usage": usage_of(out)}
-        choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
-                  "logprobs": None}
-        return {**self._base("text_completion"), "choices": [choice], "usage": usage_of(out)}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
+                      "logprobs": None}
+            obj = "text_completion"
+        if self.with_token_ids:
+            choice["token_ids"] = out.token_ids
+        return {**self._base(obj), "choices": [choice], "usage": usage_of(out)}
 
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+    def chunk(self, text: str, finish_reason: str | None,
+              token_ids: list[int] | None = None) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             if self.first:
@@ -216,6 +221,8 @@ class _Shape:
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
             body = {**self._base("text_completion"), "choices": [choice]}
+        if token_ids is not None and self.with_token_ids:
+            choice["token_ids"] = token_ids  # the whole output's ids, on the closing chunk
         self.first = False
         return f"data: {json.dumps(body)}\n\n".encode()
 

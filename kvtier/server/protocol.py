@@ -29,6 +29,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     cache_salt: str | None = None  # vLLM's extra: a per-request prefix-cache namespace
+    ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens
+    return_token_ids: bool = False  # vLLM's extra: the generated ids in the final choice
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams, or a RequestError naming the bad field."""
@@ -38,7 +40,7 @@ class _Common(BaseModel):
         return SamplingParams(
             max_tokens=MAX_TOKENS_DEFAULT if max_tokens is None else max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            stop=stop,
+            stop=stop, ignore_eos=self.ignore_eos,
         )
 
 

@@ -4,15 +4,13 @@ streaming and not, usage and residency, tenants, bad input, disconnects, /metric
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+from conftest import start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 KEYS = {"key-a": "alice", "key-b": "bob"}
@@ -20,32 +18,12 @@ CONVERSATION = [{"role": "system", "content": "You answer briefly. " * 10},
                 {"role": "user", "content": "Name a colour of the sky, please."}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--model", "tiny", "--port", str(port),
-         "--num-device-blocks", "64", "--kv-offloading-size", "0.02", "--idle-offload-s",
-         "0.3", "--api-keys-file", str(keys)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not start: {proc.stdout.read() if proc.stdout else ''}")
+    proc, url = start_server("--num-device-blocks", "64", "--kv-offloading-size", "0.02",
+                             "--idle-offload-s", "0.3", "--api-keys-file", str(keys))
     yield url
     proc.terminate()  # SIGTERM: graceful shutdown (uvicorn then re-raises the signal)
     out, _ = proc.communicate(timeout=30)
