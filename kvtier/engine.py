@@ -77,6 +77,7 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str = "",
         stream: bool = False,
+        strict_length: bool = False,
     ) -> str:
         """Validate and queue one request; returns its id. With `stream`, every new token
         also lands in `stream_deltas` (drained by the caller, e.g. the server's loop)."""
@@ -95,6 +96,11 @@ class LLMEngine:
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
                 " (the model's context, capped by the device pool); shorten the prompt"
+            )
+        if strict_length and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens "
+                f"exceeds max_model_len={self.max_model_len}; lower max_tokens"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)

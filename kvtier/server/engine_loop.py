@@ -88,7 +88,8 @@ class EngineLoop:
             self._streams[rid] = stream
             try:
                 return self.engine.add_request(prompt, params, request_id=rid,
-                                               cache_salt=cache_salt, stream=True)
+                                               cache_salt=cache_salt, stream=True,
+                                               strict_length=True)
             except BaseException:
                 del self._streams[rid]
                 raise
