@@ -119,7 +119,10 @@ class TransferDriver:
         return bool(self._ref_of)
 
     def close(self) -> None:
+        """Stop the worker and give the host pool's memory back, even if this object lives on
+        (a traceback, a test framework) after the engine is done with it."""
         self.transfer.close()
+        self.host.release()
 
 
 def calibrate(runner: ModelRunner, transfer: TransferEngine, host: HostPool) -> Calibration:

@@ -70,7 +70,7 @@ class HostPool:
         self.tensor = torch.empty((num_slots, *self.block_shape), dtype=dtype)
         self.tensor.zero_()  # touch every page: the memory is held now, not at first store
         if pin_memory:
-            _register_pinned(self, self.tensor)
+            self._unpin = _register_pinned(self, self.tensor)
         self.alloc_seconds = time.perf_counter() - start
         self.rss_growth_bytes = max(0, rss_bytes() - rss_before)
         self.pinned = pin_memory  # registration either succeeded or raised
@@ -97,6 +97,14 @@ class HostPool:
                 f"{block_bytes} bytes ({block_bytes / GIB:.6f} GiB); raise it"
             )
         return cls.like(device_kv, num_slots, available_bytes)
+
+    def release(self) -> None:
+        """Free the pool's memory now (unpinning it first on CUDA); the pool is unusable after."""
+        if self.pinned:
+            self._unpin()  # unregisters the pages, then lets the finalizer drop its reference
+            self.pinned = False
+        self.tensor = torch.empty((0, *self.block_shape), dtype=self.dtype)
+        self.num_slots = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -129,7 +137,7 @@ def check_fits(size_bytes: float, available_bytes: int | None = None) -> None:
         )
 
 
-def _register_pinned(owner: object, tensor: torch.Tensor) -> None:
+def _register_pinned(owner: object, tensor: torch.Tensor) -> weakref.finalize:
     """Page-lock exactly `tensor`'s bytes until `owner` is collected (ConfigError on failure)."""
     cudart = torch.cuda.cudart()
     ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -140,7 +148,9 @@ def _register_pinned(owner: object, tensor: torch.Tensor) -> None:
             f"{int(err)}); lower kv_offloading_size or raise the locked-memory limit (ulimit -l)"
         )
     # The finalizer holds the tensor, so the pages are unregistered before they can be freed.
-    weakref.finalize(owner, _unregister, cudart, ptr, tensor).atexit = False
+    finalizer = weakref.finalize(owner, _unregister, cudart, ptr, tensor)
+    finalizer.atexit = False
+    return finalizer
 
 
 def _unregister(cudart: object, ptr: int, tensor: torch.Tensor) -> None:

@@ -58,6 +58,9 @@ def test_any_interleaving_matches_an_unlimited_pool(
                 batch = [rng.randrange(len(sessions))]
             params = SamplingParams(max_tokens=rng.randrange(3, 12), temperature=0.0,
                                     ignore_eos=True, logprobs=2)
+            for i in batch:  # a conversation that would outgrow the small pool starts over
+                if len(sessions[i]) + params.max_tokens + 5 > e.max_model_len:
+                    sessions[i] = [rng.randrange(1, 380) for _ in range(17)]
             prompts = [sessions[i] for i in batch]
             rids = [e.add_request(p, params) for p in prompts]
             got = e.run_to_completion(rids)
