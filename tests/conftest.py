@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from kvtier.model.loader import LoadedModel
+
+# CI replays the same examples every run (a failure there is reproducible from the log);
+# local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def default_gguf() -> Path | None:
