@@ -36,6 +36,9 @@ class Hardware:
     description: str = ""
     prefill_tps: float | None = None  # measured prefill tokens/s of the planned model, if known
     gpus: int = 1  # GPUs per node
+    # Prefill and decode share one compute resource step by step, as on a CPU: a prefill
+    # waits for the running step and its rows share steps with the other sessions' decodes.
+    shared_compute: bool = False
 
     def __post_init__(self) -> None:
         positive = ("hbm_gib", "host_gib", "link_gbps", "flops", "mfu", "hbm_gbps", "gpus")
@@ -209,6 +212,6 @@ def measure_this_machine() -> Hardware:
         where = f"CPU only (device pool and host tier share DRAM), DRAM copy {link:.1f} GB/s"
     return Hardware(
         THIS_MACHINE, hbm_gib=hbm, host_gib=host, link_gbps=link, flops=flops, mfu=1.0,
-        transfer_overhead_s=0.0005, hbm_gbps=memory, gpus=1,
+        transfer_overhead_s=0.0005, hbm_gbps=memory, gpus=1, shared_compute=not cuda,
         description=f"measured: {where}, {note}, {ram:.1f} GiB RAM",
     )

@@ -18,8 +18,11 @@ to evict still runs: the pool overcommits rather than deadlocks. Prefill takes t
 `prefill_s` (linear + causal attention over the cached prefix), at least one memory-bound
 forward (weights / HBM bandwidth). Decode is memory bound: each output token costs
 (weights + the session's KV bytes) / HBM bandwidth, and runs beside prefills (continuous
-batching), so it delays the session's next turn, not the server. Deterministic: no clocks,
-no randomness; ties break by the order events were made.
+batching), so it delays the session's next turn, not the server. On hardware with
+`shared_compute` (a CPU) the server instead runs engine steps: each step takes every queued
+prefill plus one row per decoding session and costs max(their prefill time + rows / prefill
+rate, one weight stream), so a short prefill waits for the running step and shares it.
+Deterministic: no clocks, no randomness; ties break by the order events were made.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class _Admitted:
     context: int
     link_wait_s: float
     total_tokens: int  # the session's context once this turn's output is done
+    prefill_s: float = 0.0  # the prefill's own compute, before the one-forward floor
 
 
 class _Sim:
@@ -168,6 +172,12 @@ class _Sim:
         self.sessions: dict[Hashable, _Session] = {}
         self.pending: dict[Hashable, _Admitted] = {}
         self.records: list[SimRecord] = []
+        self.shared = hardware.shared_compute
+        self.row_s = 1 / self.planner.calibration.prefill_tokens_per_s  # one decode row
+        self.prefill_queue: list[Hashable] = []
+        self.decoding: dict[Hashable, int] = {}  # session -> output tokens still to come
+        self.first_token: dict[Hashable, float] = {}
+        self.stepping = False
 
     def push(self, t: float, kind: str, sid: Hashable, value: float = 0.0) -> None:
         heapq.heappush(self.events, (t, self.seq, kind, sid, value))
@@ -207,16 +217,16 @@ class _Sim:
         self.busy.add(sid)
         ready, wait = t, 0.0
         if s.where == "device":
-            residency, work = "resident", self.compute_s(new, ctx)
+            residency, tokens, cached = "resident", new, ctx
             self.device.pop(sid)
         elif s.where == "host" and self.planner.decide(ctx, held, self.mode).choice == "restore":
             self.host.pop(sid)
-            residency, work = "host", self.compute_s(new, ctx)
+            residency, tokens, cached = "host", new, ctx
         else:
             if s.where == "host":
                 self.host.pop(sid)
-            residency = "recomputed" if ctx else "new"
-            work = self.compute_s(ctx + new, 0)
+            residency, tokens, cached = ("recomputed" if ctx else "new"), ctx + new, 0
+        work = self.compute_s(tokens, cached)
         total = (ctx + new + req.output_tokens) * self.per_token
         self.make_room(t, total)
         self.device.put(sid, total)
@@ -226,10 +236,15 @@ class _Sim:
             self.restores += 1
             wait, ready = start - t, end + self.wake_overhead_s
         self.pending[sid] = _Admitted(req, t, residency, ctx, wait,
-                                      ctx + new + req.output_tokens)
+                                      ctx + new + req.output_tokens,
+                                      self.planner.prefill_s(tokens, cached))
         self.push(ready, "ready", sid, work)
 
     def ready(self, t: float, sid: Hashable, work: float) -> None:
+        if self.shared:
+            self.prefill_queue.append(sid)
+            self.start_step(t)
+            return
         p = self.pending[sid]
         start = max(t, self.server_free)
         self.server_free = first = start + work
@@ -238,6 +253,38 @@ class _Sim:
         self.records.append(SimRecord(sid, p.req.turn, p.residency, p.arrival_s,
                                       first - p.arrival_s, p.context, p.link_wait_s, finish))
         self.push(finish, "finish", sid)
+
+    def start_step(self, t: float) -> None:
+        """Shared compute: one engine step over every queued prefill and every decode row."""
+        if self.stepping or not (self.prefill_queue or self.decoding):
+            return
+        prefill = sum(self.pending[sid].prefill_s for sid in self.prefill_queue)
+        cost = max(prefill + len(self.decoding) * self.row_s, self.weights / self.hbm_bps)
+        self.stepping = True
+        self.push(t + cost, "step", None)
+
+    def step_end(self, t: float) -> None:
+        self.stepping = False
+        done: list[Hashable] = []
+        for sid in list(self.decoding):
+            self.decoding[sid] -= 1
+            if self.decoding[sid] <= 0:
+                del self.decoding[sid]
+                done.append(sid)
+        for sid in self.prefill_queue:
+            self.first_token[sid] = t
+            if self.pending[sid].req.output_tokens > 1:
+                self.decoding[sid] = self.pending[sid].req.output_tokens - 1
+            else:
+                done.append(sid)
+        self.prefill_queue = []
+        for sid in done:
+            p = self.pending[sid]
+            first = self.first_token.pop(sid)
+            self.records.append(SimRecord(sid, p.req.turn, p.residency, p.arrival_s,
+                                          first - p.arrival_s, p.context, p.link_wait_s, t))
+            self.finish(t, sid)
+        self.start_step(t)
 
     def finish(self, t: float, sid: Hashable) -> None:
         s, p = self.sessions[sid], self.pending.pop(sid)
@@ -271,6 +318,8 @@ def simulate(requests: Sequence[TurnRequest], model: ModelShape, hardware: Hardw
             sim.arrive(t, sid)
         elif kind == "ready":
             sim.ready(t, sid, value)
+        elif kind == "step":
+            sim.step_end(t)
         else:
             sim.finish(t, sid)
     ttft: dict[str, dict[str, float | int | None]] = {}

@@ -73,3 +73,16 @@ def test_deterministic_and_classes_when_the_host_tier_is_too_small() -> None:
     assert forced.ttft["host"]["count"] == 0 and forced.ttft["recomputed"]["count"] > 0
     with pytest.raises(ConfigError, match="device_sessions=0"):
         simulate(trace(1.0), MODEL, H100, device_sessions=0)
+
+
+def test_shared_compute_makes_a_short_prefill_wait_for_and_share_decode_steps() -> None:
+    # the same trace on a CPU-like machine (prefill and decode share one resource): every
+    # turn costs at least one weight stream, and turns that arrive while other sessions
+    # decode wait for, and share, their steps
+    cpu = H100.with_overrides(shared_compute=True)
+    alone = simulate(trace(5.0, sessions=1), MODEL, cpu, device_sessions=4)
+    crowded = simulate(trace(5.0, sessions=4, start_gap_s=0.0), MODEL, cpu, device_sessions=4)
+    floor = MODEL.weights_bytes / (H100.hbm_gbps * 1e9)
+    assert all(r.ttft_s >= floor for r in alone.records)
+    assert crowded.ttft["resident"]["p50"] > alone.ttft["resident"]["p50"]
+    assert len(crowded.records) == 12  # every turn still finishes
