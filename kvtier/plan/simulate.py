@@ -175,6 +175,7 @@ class _Sim:
         self.shared = hardware.shared_compute
         self.row_s = 1 / self.planner.calibration.prefill_tokens_per_s  # one decode row
         self.prefill_queue: list[Hashable] = []
+        self.in_step: list[Hashable] = []  # the prefills of the step now running
         self.decoding: dict[Hashable, int] = {}  # session -> output tokens still to come
         self.first_token: dict[Hashable, float] = {}
         self.stepping = False
@@ -258,7 +259,8 @@ class _Sim:
         """Shared compute: one engine step over every queued prefill and every decode row."""
         if self.stepping or not (self.prefill_queue or self.decoding):
             return
-        prefill = sum(self.pending[sid].prefill_s for sid in self.prefill_queue)
+        self.in_step, self.prefill_queue = self.prefill_queue, []  # later arrivals wait
+        prefill = sum(self.pending[sid].prefill_s for sid in self.in_step)
         cost = max(prefill + len(self.decoding) * self.row_s, self.weights / self.hbm_bps)
         self.stepping = True
         self.push(t + cost, "step", None)
@@ -271,13 +273,13 @@ class _Sim:
             if self.decoding[sid] <= 0:
                 del self.decoding[sid]
                 done.append(sid)
-        for sid in self.prefill_queue:
+        for sid in self.in_step:
             self.first_token[sid] = t
             if self.pending[sid].req.output_tokens > 1:
                 self.decoding[sid] = self.pending[sid].req.output_tokens - 1
             else:
                 done.append(sid)
-        self.prefill_queue = []
+        self.in_step = []
         for sid in done:
             p = self.pending[sid]
             first = self.first_token.pop(sid)

@@ -80,8 +80,9 @@ def test_shared_compute_makes_a_short_prefill_wait_for_and_share_decode_steps() 
     # turn costs at least one weight stream, and turns that arrive while other sessions
     # decode wait for, and share, their steps
     cpu = H100.with_overrides(shared_compute=True)
-    alone = simulate(trace(5.0, sessions=1), MODEL, cpu, device_sessions=4)
-    crowded = simulate(trace(5.0, sessions=4, start_gap_s=0.0), MODEL, cpu, device_sessions=4)
+    alone = simulate(trace(0.05, sessions=1), MODEL, cpu, device_sessions=4)
+    crowded = simulate(trace(0.05, sessions=4, start_gap_s=0.0), MODEL, cpu,
+                       device_sessions=4)
     floor = MODEL.weights_bytes / (H100.hbm_gbps * 1e9)
     assert all(r.ttft_s >= floor for r in alone.records)
     assert crowded.ttft["resident"]["p50"] > alone.ttft["resident"]["p50"]
