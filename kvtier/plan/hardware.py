@@ -39,6 +39,9 @@ class Hardware:
     # Prefill and decode share one compute resource step by step, as on a CPU: a prefill
     # waits for the running step and its rows share steps with the other sessions' decodes.
     shared_compute: bool = False
+    # Fixed cost of one engine step, weight stream included (plus interpreter and kernel
+    # launches): measured for this-machine, where it is most of a short prefill.
+    step_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("hbm_gib", "host_gib", "link_gbps", "flops", "mfu", "hbm_gbps", "gpus")
@@ -173,26 +176,32 @@ def _measure_copies(cuda: bool) -> tuple[float, float]:
     return nbytes / seconds / 1e9, 2 * nbytes / seconds / 1e9
 
 
-def _measure_prefill_flops(prompt_tokens: int = 192) -> tuple[float, str]:
-    """Achieved prefill FLOP/s of kvtier's default model here, and what was measured."""
+def _measure_prefill(short: int = 32, long: int = 256) -> tuple[float, float, str]:
+    """kvtier's default model here, prefilled at two lengths: (marginal FLOP/s, fixed seconds
+    of a step, a note). Two points separate what a step costs from what a token costs."""
     from kvtier.llm import LLM
     from kvtier.plan.models import shape_from_spec
     from kvtier.sequence import SamplingParams
 
-    llm = LLM(None)
+    llm = LLM(None, enable_prefix_caching=False)
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        ids = [100 + (i * 37) % 5000 for i in range(prompt_tokens)]
-        llm.generate([ids[:32]], params)  # warm-up
-        start = time.perf_counter()
-        llm.generate([ids], params)
-        seconds = time.perf_counter() - start
+
+        def ttft(n: int, salt: int) -> float:
+            ids = [100 + (i * 37 + salt) % 5000 for i in range(n)]
+            return llm.generate([ids], params)[0].metrics.ttft_s or 0.0
+
+        ttft(short, 0)  # warm-up
+        t_short = min(ttft(short, k) for k in range(1, 4))
+        t_long = min(ttft(long, k) for k in range(1, 3))
         shape = shape_from_spec(llm.engine.spec)
     finally:
         llm.shutdown()
-    achieved = shape.prefill_flops(prompt_tokens) / seconds
-    note = f"{shape.name} prefill {prompt_tokens / seconds:,.0f} tokens/s"
-    return achieved, note
+    per_token = max((t_long - t_short) / (long - short), 1e-9)
+    fixed = max(t_short - short * per_token, 0.0)
+    note = (f"{shape.name} prefill: {fixed * 1e3:.0f} ms per step + "
+            f"{per_token * 1e3:.2f} ms per token ({long / t_long:,.0f} tokens/s at {long})")
+    return 2.0 * shape.num_params / per_token, fixed, note
 
 
 def measure_this_machine() -> Hardware:
@@ -201,7 +210,7 @@ def measure_this_machine() -> Hardware:
 
     cuda = torch.cuda.is_available()
     link, memory = _measure_copies(cuda)
-    flops, note = _measure_prefill_flops()
+    flops, step_fixed_s, note = _measure_prefill()
     ram = meminfo_gib("MemTotal") or 1.0
     if cuda:
         hbm = torch.cuda.get_device_properties(0).total_memory / GIB
@@ -213,5 +222,5 @@ def measure_this_machine() -> Hardware:
     return Hardware(
         THIS_MACHINE, hbm_gib=hbm, host_gib=host, link_gbps=link, flops=flops, mfu=1.0,
         transfer_overhead_s=0.0005, hbm_gbps=memory, gpus=1, shared_compute=not cuda,
-        description=f"measured: {where}, {note}, {ram:.1f} GiB RAM",
+        step_fixed_s=step_fixed_s, description=f"measured: {where}, {note}, {ram:.1f} GiB RAM",
     )

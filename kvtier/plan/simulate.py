@@ -20,8 +20,9 @@ forward (weights / HBM bandwidth). Decode is memory bound: each output token cos
 (weights + the session's KV bytes) / HBM bandwidth, and runs beside prefills (continuous
 batching), so it delays the session's next turn, not the server. On hardware with
 `shared_compute` (a CPU) the server instead runs engine steps: each step takes every queued
-prefill plus one row per decoding session and costs max(their prefill time + rows / prefill
-rate, one weight stream), so a short prefill waits for the running step and shares it.
+prefill plus one row per decoding session and costs a fixed part (the measured cost of a
+step, at least one weight stream) + their prefill time + rows / prefill rate, so a short
+prefill waits for the running step and shares it.
 Deterministic: no clocks, no randomness; ties break by the order events were made.
 """
 
@@ -173,6 +174,7 @@ class _Sim:
         self.pending: dict[Hashable, _Admitted] = {}
         self.records: list[SimRecord] = []
         self.shared = hardware.shared_compute
+        self.step_fixed_s = hardware.step_fixed_s
         self.row_s = 1 / self.planner.calibration.prefill_tokens_per_s  # one decode row
         self.prefill_queue: list[Hashable] = []
         self.in_step: list[Hashable] = []  # the prefills of the step now running
@@ -261,7 +263,8 @@ class _Sim:
             return
         self.in_step, self.prefill_queue = self.prefill_queue, []  # later arrivals wait
         prefill = sum(self.pending[sid].prefill_s for sid in self.in_step)
-        cost = max(prefill + len(self.decoding) * self.row_s, self.weights / self.hbm_bps)
+        fixed = max(self.weights / self.hbm_bps, self.step_fixed_s)
+        cost = fixed + prefill + len(self.decoding) * self.row_s
         self.stepping = True
         self.push(t + cost, "step", None)
 
