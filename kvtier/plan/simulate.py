@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from kvtier.errors import ConfigError
@@ -178,6 +178,7 @@ class _Sim:
         self.row_s = 1 / self.planner.calibration.prefill_tokens_per_s  # one decode row
         self.prefill_queue: list[Hashable] = []
         self.in_step: list[Hashable] = []  # the prefills of the step now running
+        self.deferred: list[tuple[Hashable, int, float]] = []  # restores awaiting a boundary
         self.decoding: dict[Hashable, int] = {}  # session -> output tokens still to come
         self.first_token: dict[Hashable, float] = {}
         self.stepping = False
@@ -234,14 +235,24 @@ class _Sim:
         self.make_room(t, total)
         self.device.put(sid, total)
         s.where = "device"
-        if residency == "host":
-            start, end = self.link(t, held)
-            self.restores += 1
-            wait, ready = start - t, end + self.wake_overhead_s
         self.pending[sid] = _Admitted(req, t, residency, ctx, wait,
                                       ctx + new + req.output_tokens,
                                       self.planner.prefill_s(tokens, cached))
-        self.push(ready, "ready", sid, work)
+        if residency != "host":
+            self.push(ready, "ready", sid, work)
+        elif self.shared and self.stepping:
+            # The engine admits between steps: the restore starts when the running step
+            # ends, and the woken turn computes in the step after its load lands.
+            self.deferred.append((sid, held, work))
+        else:
+            self.restore(t, sid, held, work)
+
+    def restore(self, t: float, sid: Hashable, held: int, work: float) -> None:
+        start, end = self.link(t, held)
+        self.restores += 1
+        p = self.pending[sid]
+        self.pending[sid] = replace(p, link_wait_s=start - p.arrival_s)
+        self.push(end + self.wake_overhead_s, "ready", sid, work)
 
     def ready(self, t: float, sid: Hashable, work: float) -> None:
         if self.shared:
@@ -270,6 +281,9 @@ class _Sim:
 
     def step_end(self, t: float) -> None:
         self.stepping = False
+        for sid, held, work in self.deferred:
+            self.restore(t, sid, held, work)
+        self.deferred = []
         done: list[Hashable] = []
         for sid in list(self.decoding):
             self.decoding[sid] -= 1
