@@ -143,7 +143,8 @@ class Scheduler:
             layerwise = self.offload_config.load_mode == "layerwise"
             waits = bool(plan.load_keys) and not layerwise
             n = 0 if waits else min(seq.num_tokens - plan.start, budget)
-            if not self.kv.allocate_slots(seq.request_id, plan.start + n, plan.prefix):
+            if not self.kv.allocate_slots(seq.request_id, plan.start + n, plan.prefix,
+                                          contiguous=bool(plan.load_keys)):
                 break
             self.waiting.popleft()
             self._apply(seq, plan, layerwise)

@@ -67,6 +67,35 @@ class BlockPool:
         # Any free block serves any position: ascending ids make consecutive blocks one copy.
         return sorted(ids)
 
+    def allocate_run(self, n: int) -> list[int] | None:
+        """n consecutive free blocks, so a restore lands as one large copy instead of many
+        small ones; the window that evicts the fewest cached blocks wins. None if no run of
+        n free blocks exists (then `allocate` serves it, scattered)."""
+        if n < 2 or n > len(self.free_queue):
+            return self.allocate(n) if 0 < n <= len(self.free_queue) else ([] if n == 0 else None)
+        busy = keyed = 0
+        best: tuple[int, int] | None = None  # (evictions, start)
+        for end in range(self.num_blocks):
+            busy += self.ref_cnt[end] > 0
+            keyed += self.ref_cnt[end] == 0 and self.key[end] is not None
+            start = end - n + 1
+            if start > 0:
+                gone = start - 1
+                busy -= self.ref_cnt[gone] > 0
+                keyed -= self.ref_cnt[gone] == 0 and self.key[gone] is not None
+            if start >= 0 and busy == 0 and (best is None or keyed < best[0]):
+                best = (keyed, start)
+                if keyed == 0:
+                    break
+        if best is None:
+            return None
+        ids = list(range(best[1], best[1] + n))
+        for block_id in ids:
+            del self.free_queue[block_id]
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+        return ids
+
     def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
         """Drop one reference each; pass blocks tail first so a prefix outlives its suffix.
 

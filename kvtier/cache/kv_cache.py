@@ -55,10 +55,12 @@ class KVCacheManager:
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, prefix: CachedPrefix | None = None
+        self, request_id: str, num_tokens: int, prefix: CachedPrefix | None = None,
+        contiguous: bool = False,
     ) -> bool:
         """Make the table cover `num_tokens` tokens (sharing `prefix` first); False and no
-        change if the pool cannot supply the blocks."""
+        change if the pool cannot supply the blocks. `contiguous` asks for one run of new
+        blocks where the pool has one (a restore is then one copy)."""
         need = self.blocks_needed(request_id, num_tokens, prefix)
         if need > self.pool.num_free - self._revivable(prefix):
             return False
@@ -69,7 +71,7 @@ class KVCacheManager:
             table.append(prefix.block_ids)
             table.keys = [self.pool.key[b] for b in prefix.block_ids]  # type: ignore[misc]
             table.num_registered = len(prefix.block_ids)
-        new = self.pool.allocate(need)
+        new = (self.pool.allocate_run(need) if contiguous else None) or self.pool.allocate(need)
         assert new is not None
         table.append(new)
         return True

@@ -81,3 +81,18 @@ def test_prefix_caching_off_never_hits() -> None:
     assert ids is not None
     assert not pool.register(ids[0], hash_block(NS, [1]), [1])
     assert pool.lookup([hash_block(NS, [1])], [[1]]) == []
+
+
+def test_allocate_run_prefers_a_window_that_evicts_nothing() -> None:
+    # 8 blocks: 2 and 5 in use; 0 and 1 hold cached prefixes -> a run of 2 is taken at 3-4
+    pool = BlockPool(8)
+    ids = pool.allocate(8)
+    assert ids is not None
+    pool.register(0, hash_block(NS, [1]), [1])
+    pool.register(1, hash_block(NS, [2]), [2])
+    pool.free([0, 1, 3, 4, 6, 7])
+    assert pool.allocate_run(2) == [3, 4]
+    assert pool.num_cached == 2  # nothing evicted
+    # a run of 3 does not exist among the free blocks (0, 1, 6, 7): fall back is the caller's
+    assert pool.allocate_run(3) is None
+    pool.check_invariants()
