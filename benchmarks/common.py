@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,30 +10,7 @@ from typing import Any
 
 import torch
 
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def hardware() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-                            "torch_threads": torch.get_num_threads(),
-                            "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+from kvtier.bench.provenance import git_sha, hardware
 
 
 def copy_peak_gbps(device: str = "cpu", mib: int = 256, repeats: int = 7) -> float:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.provenance import git_sha, hardware
 from kvtier.errors import ConfigError
 from kvtier.flags import add_engine_args, engine_knobs
 
@@ -86,14 +85,6 @@ def _pair(text: str, kind: type, flag: str) -> tuple[Any, Any]:
     return lo, hi
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_bench(args: argparse.Namespace) -> int:
     from kvtier.bench import report
     from kvtier.bench.run import run_config
@@ -134,9 +125,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if r.rejected:
             print(f"{r.name}: {len(r.rejected)} requests refused by the engine, their sessions "
                   f"ended there; first: {r.rejected[0]}")
-    meta = {"command": " ".join(["kvtier", *sys.argv[1:]]), "git_sha": _git_sha(),
-            "hardware": {"machine": platform.machine(), "processor": platform.processor(),
-                         "python": platform.python_version()},
+    meta = {"command": " ".join(["kvtier", *sys.argv[1:]]), "git_sha": git_sha(),
+            "hardware": hardware(),
             "model": loaded.source, "trace": trace.source, "base_knobs": base,
             "configs": {r.name: {**base, **r.knobs} for r in runs},
             "wall_s": {r.name: r.wall_s for r in runs}}

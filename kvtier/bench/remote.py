@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.bench.run import ConfigRun
+from kvtier.bench.run import ConfigRun, session_residency
 from kvtier.errors import ConfigError
 
 STAND_IN_ID = 100  # first id of the stand-in tokens for replies a server does not return
@@ -99,8 +99,7 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
         run.rejected.append(f"{sid}/{turn}: {type(e).__name__}: {e}")
         return None
     n = int(usage.get("completion_tokens", body["max_tokens"]))
-    if residency == "new" and turn > 0:
-        residency = "recomputed"  # as in the in-process driver
+    residency = session_residency(residency, turn)
     first = first if first is not None else last
     return {
         "config": run.name, "session_id": sid, "turn": turn,

@@ -117,15 +117,17 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
     return run
 
 
+def session_residency(residency: str, turn: int) -> str:
+    """An engine's "new" on a session's later turn means no tier still held its earlier
+    turns (tier off, or evicted everywhere): its state existed and was computed again."""
+    return "recomputed" if residency == "new" and turn > 0 else residency
+
+
 def _record(config: str, sid: str, turn: int, sent: float, finished: float, context: int,
             out: Any) -> dict[str, Any]:
     n = len(out.token_ids)
     decode = out.metrics.decode_s
-    residency = out.residency
-    if residency == "new" and turn > 0:
-        # The engine saw no trace of this session's earlier turns (tier off, or evicted
-        # from every tier): its state existed and was computed again.
-        residency = "recomputed"
+    residency = session_residency(out.residency, turn)
     return {
         "config": config, "session_id": sid, "turn": turn, "context_tokens": context,
         "output_tokens": n, "ttft_s": out.metrics.ttft_s,
