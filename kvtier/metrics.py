@@ -130,6 +130,15 @@ def _num(d: Mapping[str, Any] | None, key: str) -> float:
     return 0.0 if v is None else float(v)
 
 
+def _family(kind: type, name: str, doc: str, label: str, values: Mapping[str, float]
+            ) -> Metric:
+    """One labelled gauge or counter family, a sample per label value."""
+    family = kind(f"{PREFIX}{name}", doc, labels=[label])
+    for value, number in values.items():
+        family.add_metric([value], number)
+    return family
+
+
 class EngineCollector:
     """Turns the last `engine_stats` snapshot into gauge and counter families at scrape time."""
 
@@ -151,55 +160,26 @@ class EngineCollector:
     def _families(s: Mapping[str, Any], running: int, waiting: int) -> Iterator[Metric]:
         tier: Mapping[str, Any] = s.get("host_tier") or {}  # None: the tier is off
         link: Mapping[str, Any] = tier.get("link") or {}
-
-        dev = s.get("device_blocks")
-        f = GaugeMetricFamily(f"{PREFIX}device_blocks", "Device KV blocks by state.",
-                              labels=["state"])
-        for state in ("used", "cached", "total"):
-            f.add_metric([state], _num(dev, state))
-        yield f
-
-        slots = tier.get("slots")
-        f = GaugeMetricFamily(f"{PREFIX}host_slots", "Host tier slots by state.",
-                              labels=["state"])
-        for state in ("used", "pinned", "capacity"):
-            f.add_metric([state], _num(slots, state))
-        yield f
-
-        mem = tier.get("memory")
-        f = GaugeMetricFamily(f"{PREFIX}host_pool_bytes",
-                              "Host pool memory: allocated, pinned, and RSS growth at allocation.",
-                              labels=["kind"])
-        for kind in ("allocated", "pinned", "rss_growth"):
-            f.add_metric([kind], _num(mem, f"{kind}_bytes"))
-        yield f
-
-        f = GaugeMetricFamily(f"{PREFIX}link_busy_fraction",
-                              "Fraction of wall time the host link spent copying.",
-                              labels=["direction"])
-        for d in DIRECTIONS:
-            f.add_metric([d], _num(link.get(d), "utilisation"))
-        yield f
-
-        f = CounterMetricFamily(f"{PREFIX}link_bytes", "Bytes copied over the host link.",
-                                labels=["direction"])
-        for d in DIRECTIONS:
-            f.add_metric([d], _num(link.get(d), "bytes"))
-        yield f
-
+        dev, slots, mem = s.get("device_blocks"), tier.get("slots"), tier.get("memory")
         pre = s.get("preemptions")
-        f = CounterMetricFamily(f"{PREFIX}preemptions", "Preemptions by mode.", labels=["mode"])
-        for mode in ("swap", "recompute"):
-            f.add_metric([mode], _num(pre, mode))
-        yield f
-
-        f = CounterMetricFamily(f"{PREFIX}failed_transfers",
-                                "Host tier transfers that failed (their tokens are recomputed).",
-                                labels=["direction"])
-        f.add_metric(["store"], _num(tier, "failed_stores"))
-        f.add_metric(["load"], _num(tier, "failed_loads"))
-        yield f
-
+        yield _family(GaugeMetricFamily, "device_blocks", "Device KV blocks by state.", "state",
+                      {k: _num(dev, k) for k in ("used", "cached", "total")})
+        yield _family(GaugeMetricFamily, "host_slots", "Host tier slots by state.", "state",
+                      {k: _num(slots, k) for k in ("used", "pinned", "capacity")})
+        yield _family(GaugeMetricFamily, "host_pool_bytes",
+                      "Host pool memory: allocated, pinned, and RSS growth at allocation.", "kind",
+                      {k: _num(mem, f"{k}_bytes") for k in ("allocated", "pinned", "rss_growth")})
+        yield _family(GaugeMetricFamily, "link_busy_fraction",
+                      "Fraction of wall time the host link spent copying.", "direction",
+                      {d: _num(link.get(d), "utilisation") for d in DIRECTIONS})
+        yield _family(CounterMetricFamily, "link_bytes", "Bytes copied over the host link.",
+                      "direction", {d: _num(link.get(d), "bytes") for d in DIRECTIONS})
+        yield _family(CounterMetricFamily, "preemptions", "Preemptions by mode.", "mode",
+                      {m: _num(pre, m) for m in ("swap", "recompute")})
+        yield _family(CounterMetricFamily, "failed_transfers",
+                      "Host tier transfers that failed (their tokens are recomputed).",
+                      "direction", {"store": _num(tier, "failed_stores"),
+                                    "load": _num(tier, "failed_loads")})
         yield GaugeMetricFamily(f"{PREFIX}requests_running", "Requests running now.",
                                 value=running)
         yield GaugeMetricFamily(f"{PREFIX}requests_waiting", "Requests waiting to be admitted.",
