@@ -13,8 +13,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,15 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
+from kvtier.server.launch import start_server
 from kvtier.stats import summarize
 
 TOPICS = ["tides", "volcanoes", "bread", "bridges", "owls", "comets", "glaciers", "chess"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def session(client: httpx.AsyncClient, i: int, turns: int, gap: tuple[float, float],
@@ -123,21 +116,12 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=900.0, help="the whole run stops by then")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
-           "--num-device-blocks", "160", "--kv-offloading-size", "1.0",
+    cmd = ["--num-device-blocks", "160", "--kv-offloading-size", "1.0",
            "--idle-offload-s", "1.5", "--max-num-seqs", "32"]
     if args.model:
         cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, url = start_server(*cmd)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         baseline = gauges(url)
         start = time.perf_counter()
         records, errors = asyncio.run(drive(url, args))

@@ -67,25 +67,10 @@ def pytest_report_header() -> str:
 
 def start_server(*args: str) -> tuple[Any, str]:
     """`kvtier serve` on a free loopback port with the tiny model; (process, base url)."""
-    import socket
-    import subprocess
-    import sys
-    import time
+    from kvtier.errors import KvtierError
+    from kvtier.server.launch import start_server as launch
 
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--model", "tiny", "--port", str(port),
-         *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    pytest.fail(f"kvtier serve did not start: {proc.communicate()[0]}")
+    try:
+        return launch("--model", "tiny", *args)
+    except KvtierError as e:
+        pytest.fail(str(e))
