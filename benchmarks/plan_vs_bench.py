@@ -70,8 +70,12 @@ def main() -> int:
                      "relative_error": err, "within_25pct": err is not None and err <= TOLERANCE})
         print(f"{cls:<11} {len(got):>7} {fmt(p50_b):>10} {rows[-1]['plan_n']:>6} "
               f"{fmt(p50_p):>9} {f'{err:.0%}' if err is not None else '-':>7}")
-    path = write_result("plan_vs_bench", {"rows": rows, "hardware": hardware.description,
-                                          "device_blocks": blocks}, args.out)
+    judged = [r for r in rows if r["relative_error"] is not None]
+    ok = bool(judged) and all(r["within_25pct"] for r in judged)
+    print(f"target: every class with both numbers within {TOLERANCE:.0%}: "
+          f"{'PASS' if ok else 'MISS'}")
+    path = write_result("plan_vs_bench", {"rows": rows, "pass": ok, "device_blocks": blocks,
+                                          "hardware": hardware.description}, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -8,6 +8,7 @@ Every preset figure is per GPU except `host_gib` and `gpus`, which are per node.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ class Hardware:
     # Fixed cost of one engine step, weight stream included (plus interpreter and kernel
     # launches): measured for this-machine, where it is most of a short prefill.
     step_fixed_s: float = 0.0
+    # Extra cost of one more decoding sequence in a step (its matmul row, attention over its
+    # context, sampling); 0 means one prefill token's worth. Measured for this-machine.
+    decode_row_s: float = 0.0
+    # Extra step cost per token of cached context a prefill attends to (gathering it and
+    # attending over it); 0 means the FLOP-based attention term only. Measured for this-machine.
+    context_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("hbm_gib", "host_gib", "link_gbps", "flops", "mfu", "hbm_gbps", "gpus")
@@ -176,32 +183,61 @@ def _measure_copies(cuda: bool) -> tuple[float, float]:
     return nbytes / seconds / 1e9, 2 * nbytes / seconds / 1e9
 
 
-def _measure_prefill(short: int = 32, long: int = 256) -> tuple[float, float, str]:
-    """kvtier's default model here, prefilled at two lengths: (marginal FLOP/s, fixed seconds
-    of a step, a note). Two points separate what a step costs from what a token costs."""
+@dataclass(frozen=True)
+class _StepCosts:
+    flops: float  # marginal prefill FLOP/s
+    fixed_s: float  # what a step costs before its tokens
+    decode_row_s: float  # what one more decoding sequence adds to a step
+    context_token_s: float  # what a token of cached context adds to a prefill's step
+    note: str
+
+
+def _measure_steps(short: int = 32, long: int = 256, rows: int = 4) -> _StepCosts:
+    """kvtier's default model here: prefill at two lengths (what a step costs apart from
+    what a token costs), `short` tokens after a cached `long`-token prefix (what context
+    adds), then decode of 1 and `rows` sequences (what a decode row adds)."""
     from kvtier.llm import LLM
     from kvtier.plan.models import shape_from_spec
     from kvtier.sequence import SamplingParams
 
-    llm = LLM(None, enable_prefix_caching=False)
+    llm = LLM(None)  # prefix caching on: the context measurement reuses a cached prefix
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
-        def ttft(n: int, salt: int) -> float:
-            ids = [100 + (i * 37 + salt) % 5000 for i in range(n)]
-            return llm.generate([ids], params)[0].metrics.ttft_s or 0.0
+        def prompt(n: int, salt: int) -> list[int]:
+            return [100 + (i * 37 + salt) % 5000 for i in range(n)]
 
+        def ttft(n: int, salt: int) -> float:
+            return llm.generate([prompt(n, salt)], params)[0].metrics.ttft_s or 0.0
+
+        def itl(batch: int, salt: int) -> float:
+            decode = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+            outs = llm.generate([prompt(64, salt + k) for k in range(batch)], decode)
+            return statistics.median((o.metrics.decode_s or 0.0) / 8 for o in outs)
+
+        # Medians, not minimums: the prediction is of a p50, on a machine whose speed drifts.
+        # Salts keep every prompt's first block distinct, so nothing hits the prefix cache
+        # except where the context measurement means it to.
         ttft(short, 0)  # warm-up
-        t_short = min(ttft(short, k) for k in range(1, 4))
-        t_long = min(ttft(long, k) for k in range(1, 3))
+        t_short = statistics.median(ttft(short, k) for k in range(1, 4))
+        t_long = statistics.median(ttft(long, k) for k in range(11, 14))
+        t_ctx = statistics.median(  # `short` new tokens after a cached prefix of `long`
+            llm.generate([prompt(long, k) + prompt(short, 900 + k)], params)[0].metrics.ttft_s
+            or 0.0 for k in range(11, 14))
+        one = statistics.median(itl(1, 50 + k) for k in range(3))
+        many = statistics.median(itl(rows, 60 + rows * k) for k in range(3))
         shape = shape_from_spec(llm.engine.spec)
     finally:
         llm.shutdown()
     per_token = max((t_long - t_short) / (long - short), 1e-9)
     fixed = max(t_short - short * per_token, 0.0)
+    row = max((many - one) / (rows - 1), 0.0)
+    context = max((t_ctx - t_short) / long, 0.0)
     note = (f"{shape.name} prefill: {fixed * 1e3:.0f} ms per step + "
-            f"{per_token * 1e3:.2f} ms per token ({long / t_long:,.0f} tokens/s at {long})")
-    return 2.0 * shape.num_params / per_token, fixed, note
+            f"{per_token * 1e3:.2f} ms per token ({long / t_long:,.0f} tokens/s at {long}) + "
+            f"{context * 1e6:.0f} us per cached token; "
+            f"decode: {one * 1e3:.0f} ms per step + {row * 1e3:.1f} ms per extra sequence")
+    return _StepCosts(2.0 * shape.num_params / per_token, fixed, row, context, note)
 
 
 def measure_this_machine() -> Hardware:
@@ -210,7 +246,7 @@ def measure_this_machine() -> Hardware:
 
     cuda = torch.cuda.is_available()
     link, memory = _measure_copies(cuda)
-    flops, step_fixed_s, note = _measure_prefill()
+    steps = _measure_steps()
     ram = meminfo_gib("MemTotal") or 1.0
     if cuda:
         hbm = torch.cuda.get_device_properties(0).total_memory / GIB
@@ -220,7 +256,9 @@ def measure_this_machine() -> Hardware:
         hbm, host = ram / 2, ram / 2
         where = f"CPU only (device pool and host tier share DRAM), DRAM copy {link:.1f} GB/s"
     return Hardware(
-        THIS_MACHINE, hbm_gib=hbm, host_gib=host, link_gbps=link, flops=flops, mfu=1.0,
+        THIS_MACHINE, hbm_gib=hbm, host_gib=host, link_gbps=link, flops=steps.flops, mfu=1.0,
         transfer_overhead_s=0.0005, hbm_gbps=memory, gpus=1, shared_compute=not cuda,
-        step_fixed_s=step_fixed_s, description=f"measured: {where}, {note}, {ram:.1f} GiB RAM",
+        step_fixed_s=steps.fixed_s, decode_row_s=steps.decode_row_s,
+        context_token_s=steps.context_token_s,
+        description=f"measured: {where}, {steps.note}, {ram:.1f} GiB RAM",
     )

@@ -21,8 +21,8 @@ forward (weights / HBM bandwidth). Decode is memory bound: each output token cos
 batching), so it delays the session's next turn, not the server. On hardware with
 `shared_compute` (a CPU) the server instead runs engine steps: each step takes every queued
 prefill plus one row per decoding session and costs a fixed part (the measured cost of a
-step, at least one weight stream) + their prefill time + rows / prefill rate, so a short
-prefill waits for the running step and shares it.
+step, at least one weight stream) + their prefill time + rows x the measured cost of a row,
+so a short prefill waits for the running step and shares it.
 Deterministic: no clocks, no randomness; ties break by the order events were made.
 """
 
@@ -175,7 +175,9 @@ class _Sim:
         self.records: list[SimRecord] = []
         self.shared = hardware.shared_compute
         self.step_fixed_s = hardware.step_fixed_s
-        self.row_s = 1 / self.planner.calibration.prefill_tokens_per_s  # one decode row
+        self.context_token_s = hardware.context_token_s
+        # One decode row: measured where known, else one prefill token's worth.
+        self.row_s = hardware.decode_row_s or 1 / self.planner.calibration.prefill_tokens_per_s
         self.prefill_queue: list[Hashable] = []
         self.in_step: list[Hashable] = []  # the prefills of the step now running
         self.deferred: list[tuple[Hashable, int, float]] = []  # restores awaiting a boundary
@@ -196,6 +198,12 @@ class _Sim:
 
     def compute_s(self, tokens: int, cached: int) -> float:
         return max(self.planner.prefill_s(tokens, cached), self.weights / self.hbm_bps)
+
+    def step_prefill_s(self, tokens: int, cached: int) -> float:
+        """A prefill's share of a step; the measured per-context-token cost where known."""
+        if self.context_token_s:
+            return self.planner.prefill_s(tokens, 0) + cached * self.context_token_s
+        return self.planner.prefill_s(tokens, cached)
 
     def make_room(self, t: float, nbytes: int) -> None:
         for victim in self.device.victims(nbytes, self.busy):
@@ -237,7 +245,7 @@ class _Sim:
         s.where = "device"
         self.pending[sid] = _Admitted(req, t, residency, ctx, wait,
                                       ctx + new + req.output_tokens,
-                                      self.planner.prefill_s(tokens, cached))
+                                      self.step_prefill_s(tokens, cached))
         if residency != "host":
             self.push(ready, "ready", sid, work)
         elif self.shared and self.stepping:
