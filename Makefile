@@ -14,6 +14,7 @@ run: $(STAMP)
 	$(BIN)/kvtier bench
 
 test: $(STAMP)
+	bash scripts/redis.sh ensure
 	$(BIN)/ruff check kvtier tests benchmarks
 	$(BIN)/python -m pytest -q
 

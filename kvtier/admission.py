@@ -1,7 +1,9 @@
 """Where an admitted sequence's KV will come from: device prefix, host tier, or compute.
 
 `plan_admission` continues the device prefix lookup into the host tier and asks the planner
-whether loading the host blocks beats recomputing them, per sequence. Pure bookkeeping.
+whether loading the host blocks beats recomputing them, per sequence. Where the prefix goes
+on below host (disk, remote), the plan is a fetch up to host first; the request is planned
+again once the fetch lands. Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class AdmissionPlan:
     declined_tokens: int = 0  # on host, but the planner chose to recompute them
     decision: Decision | None = None
     swap_state_done: bool = False  # the swapped state is consumed (loaded, or given up)
+    fetch_keys: list[BlockKey] = field(default_factory=list)  # below host: bring up first
+    fetch_tokens: list[tuple[int, ...]] = field(default_factory=list)
+    fetch_tiers: list[str] = field(default_factory=list)
 
     @property
     def content_keys(self) -> list[BlockKey]:
@@ -56,6 +61,10 @@ def plan_admission(
     cap = offload.config.max_load_tokens
     if cap is not None:
         hits = min(hits, cap // block_size)
+    fetch = _plan_fetch(seq, offload, keys[hits:], tokens[hits:], block_size, cap, hits)
+    if fetch is not None:
+        return AdmissionPlan(prefix, prefix.num_tokens, decision=fetch[0], fetch_keys=fetch[1],
+                             fetch_tokens=fetch[2], fetch_tiers=fetch[3])
     done = swapped is not None
     if hits == 0:
         lost = swapped.num_computed - prefix.num_tokens if swapped else 0
@@ -70,3 +79,25 @@ def plan_admission(
                              decision=decision, swap_state_done=done)
     return AdmissionPlan(prefix, prefix.num_tokens + restored, list(keys[:hits]), restored,
                          decision=decision, swap_state_done=done)
+
+
+def _plan_fetch(seq: Sequence, offload: HostOffload, keys: list[BlockKey],
+                tokens: list[tuple[int, ...]] | list[list[int]], block_size: int,
+                cap: int | None, host_hits: int
+                ) -> tuple[Decision, list[BlockKey], list[tuple[int, ...]], list[str]] | None:
+    """Blocks of the prefix found below host that are worth bringing up, if any."""
+    deep = offload.deep
+    if deep is None or seq.swapped is not None or seq.deep_checked or not keys:
+        return None
+    seq.deep_checked = True
+    tiers = deep.hits(keys, tokens)
+    if cap is not None:
+        tiers = tiers[: max(0, cap // block_size - host_hits)]
+    if not tiers:
+        return None
+    n = len(tiers)
+    via = "remote" if "remote" in tiers else "disk"
+    decision = offload.planner.decide(n * block_size, n * offload.block_bytes, "auto", via)
+    if decision.choice == "recompute":
+        return None
+    return decision, list(keys[:n]), [tuple(t) for t in tokens[:n]], tiers

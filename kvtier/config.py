@@ -69,10 +69,23 @@ class OffloadConfig:
     # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
     # decode, which is bound by it. None: copy as fast as the link allows. Loads never wait.
     max_store_gbps: float | None = None
+    # Tiers below host memory, staged through it (device -> host -> disk or Redis and back).
+    disk_kv_path: str | None = None  # directory of the disk tier's slot file (created 0700)
+    disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
+    remote_kv_url: str | None = None  # redis://[:password@]host:port[/db], shared by processes
+    remote_kv_ttl_s: float | None = None  # expire remote blocks after this long; None = never
 
     @property
     def enabled(self) -> bool:
         return self.kv_offloading_size > 0
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_kv_size > 0
+
+    @property
+    def remote_enabled(self) -> bool:
+        return bool(self.remote_kv_url)
 
     def validate(self) -> None:
         if self.kv_offloading_size < 0:
@@ -100,6 +113,24 @@ class OffloadConfig:
             raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
         if self.max_store_gbps is not None and not self.max_store_gbps > 0:
             raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
+        self._validate_deep_tiers()
+
+    def _validate_deep_tiers(self) -> None:
+        if self.disk_kv_size < 0:
+            raise ConfigError(f"disk_kv_size={self.disk_kv_size} GiB must be >= 0 (0 = off)")
+        if self.disk_kv_size > 0 and not self.disk_kv_path:
+            raise ConfigError("disk_kv_size is set but disk_kv_path is not; name a directory")
+        if self.disk_kv_path and self.disk_kv_size == 0:
+            raise ConfigError("disk_kv_path is set but disk_kv_size is 0; give its size in GiB")
+        if self.remote_kv_ttl_s is not None and not self.remote_kv_ttl_s > 0:
+            raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
+        if self.remote_kv_ttl_s is not None and not self.remote_kv_url:
+            raise ConfigError("remote_kv_ttl_s is set but remote_kv_url is not")
+        if (self.disk_enabled or self.remote_enabled) and not self.enabled:
+            raise ConfigError(
+                "the disk and remote tiers are staged through host memory: set "
+                "kv_offloading_size (GiB of host memory) as well"
+            )
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ With `kv_offloading_size > 0` a host tier sits under the device pool (`TransferD
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -25,6 +28,20 @@ from kvtier.sequence import SamplingParams, Sequence
 from kvtier.transfer_driver import TransferDriver
 
 PromptType = str | list[int] | dict[str, Any]
+log = logging.getLogger(__name__)
+
+
+def _close_at_exit(engine: LLMEngine) -> None:
+    """Close `engine` at interpreter exit if it is still alive then (a weak reference: the
+    hook never keeps an engine, its weights and its pools alive)."""
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
 
 
 class LLMEngine:
@@ -51,13 +68,17 @@ class LLMEngine:
         self.max_model_len = min(context, self.runner.num_blocks * bs)
         self.tier: TransferDriver | None = None
         if config.offload.enabled:
-            self.tier = TransferDriver.build(config, self.runner, self.pool)
+            self.tier = TransferDriver.build(config, self.runner, self.pool,
+                                             self.fingerprint.namespace())
         self.scheduler = Scheduler(
             config.scheduler, self.pool, bs, max_model_len=self.max_model_len,
             offload=self.tier.offload if self.tier else None,
         )
+        self._closed = False
         if self.tier is not None:
             self.tier.scheduler = self.scheduler
+            if self.tier.deep is not None:  # interpreter exit is a clean shutdown too
+                _close_at_exit(self)
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
         self._namespaces: dict[str, BlockKey] = {}
         self._ids = itertools.count()
@@ -196,9 +217,19 @@ class LLMEngine:
         return self.tier.offload.stats.demoted_blocks - before
 
     def close(self) -> None:
-        """Stop the transfer worker; pending transfers fail (their sequences recompute)."""
-        if self.tier is not None:
-            self.tier.close()
+        """Write the cache down to the disk tier if there is one (what a restart will find),
+        then stop the transfer workers; pending transfers fail (their sequences recompute).
+        Runs once: `LLM.shutdown()`, the server's SIGTERM and interpreter exit all land here."""
+        tier = self.tier
+        if tier is None or self._closed:
+            return
+        self._closed = True
+        try:
+            tier.write_down()
+        except Exception:  # a failing disk must not stop the rest of the shutdown
+            log.exception("kvtier: writing the KV cache down to disk at shutdown failed")
+        finally:
+            tier.close()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         self._streaming.discard(request_id)

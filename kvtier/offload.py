@@ -23,6 +23,7 @@ from typing import Literal
 from kvtier.cache.block import BlockKey
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import OffloadConfig
+from kvtier.deep_offload import DeepOffload
 from kvtier.planner import Planner
 from kvtier.tiers.host import HostTier
 
@@ -95,6 +96,7 @@ class HostOffload:
         self._outbox: list[BlockTransfer] = []
         self._refs = itertools.count()
         self.stats = OffloadStats()
+        self.deep: DeepOffload | None = None  # disk / remote below the host tier, if any
 
     def take_jobs(self) -> list[BlockTransfer]:
         jobs, self._outbox = self._outbox, []
@@ -149,6 +151,8 @@ class HostOffload:
             if success:
                 self.stats.stored_blocks += len(job.keys)
                 self.stats.stored_bytes += nbytes
+                if self.deep is not None:  # the second hop: host -> disk / remote
+                    self.deep.host_stored([k for k in job.keys if not k.startswith(SWAP_PREFIX)])
             else:
                 self.stats.failed_stores += 1
             # Idle or about-to-be-evicted blocks go back where they were: first to be reused.

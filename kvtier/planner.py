@@ -1,6 +1,8 @@
 """Restore or recompute: the one piece of arithmetic the tier is betting on.
 
     restore_s   = kv_bytes / link_bytes_per_s + per_transfer_overhead_s
+                  (+ kv_bytes / tier_bytes_per_s + per_transfer_overhead_s from disk or remote:
+                  the bytes come up to host first, then cross the link)
     recompute_s = tokens / prefill_tokens_per_s + attention_s_per_token2 * tokens**2 / 2
 
 The quadratic term is causal attention: token i attends to i earlier tokens, so a prompt of
@@ -43,6 +45,8 @@ class Calibration:
     prefill_tokens_per_s: float  # the linear (weight-matmul) part of prefill speed
     # causal attention: seconds per token**2, charged as a * T**2 / 2 (0: linear model)
     attention_s_per_token2: float = 0.0
+    # read GB/s of each tier below host ("disk", "remote"), measured at start, EMA-updated
+    tier_gbps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,9 +67,13 @@ class Planner:
     history: list[Observation] = field(default_factory=list)
     max_history: int = 10_000
 
-    def restore_s(self, nbytes: int) -> float:
+    def restore_s(self, nbytes: int, via: str | None = None) -> float:
+        """Host -> device; `via` a deeper tier adds the hop from it up to host first."""
         c = self.calibration
-        return nbytes / (c.link_gbps * 1e9) + c.transfer_overhead_s
+        seconds = nbytes / (c.link_gbps * 1e9) + c.transfer_overhead_s
+        if via is not None:
+            seconds += nbytes / (c.tier_gbps[via] * 1e9) + c.transfer_overhead_s
+        return seconds
 
     def recompute_s(self, tokens: int) -> float:
         return self.prefill_s(tokens)
@@ -77,9 +85,11 @@ class Planner:
         attention = c.attention_s_per_token2 * (end * end - cached_tokens * cached_tokens) / 2
         return tokens / c.prefill_tokens_per_s + attention
 
-    def decide(self, tokens: int, nbytes: int, mode: str = "auto") -> Decision:
-        """`mode` is the user's preemption_mode: auto compares; swap/recompute force a side."""
-        restore, recompute = self.restore_s(nbytes), self.recompute_s(tokens)
+    def decide(self, tokens: int, nbytes: int, mode: str = "auto", via: str | None = None
+               ) -> Decision:
+        """`mode` is the user's preemption_mode: auto compares; swap/recompute force a side.
+        `via` names the deeper tier the bytes must first come up from, if any."""
+        restore, recompute = self.restore_s(nbytes, via), self.recompute_s(tokens)
         if mode == "swap":
             choice: Choice = "restore"
         elif mode == "recompute":
@@ -115,6 +125,13 @@ class Planner:
         if nbytes > 0 and useful > 0:
             self.calibration.link_gbps = self._blend(self.calibration.link_gbps,
                                                      nbytes / useful / 1e9)
+
+    def observe_tier(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A finished read from a deeper tier up to host: refine that tier's rate."""
+        useful = seconds - self.calibration.transfer_overhead_s
+        if nbytes > 0 and useful > 0:
+            rates = self.calibration.tier_gbps
+            rates[tier] = self._blend(rates[tier], nbytes / useful / 1e9)
 
     def observe_prefill(self, tokens: int, seconds: float, predicted_s: float | None = None
                         ) -> None:

@@ -24,6 +24,7 @@ from kvtier.cache.block import BlockKey, Residency
 from kvtier.cache.block_pool import BlockPool
 from kvtier.cache.kv_cache import KVCacheManager
 from kvtier.config import OffloadConfig, SchedulerConfig
+from kvtier.deep_offload import FetchDone
 from kvtier.offload import BlockTransfer, HostOffload, LoadDone, swap_key
 from kvtier.sequence import Sequence, SequenceStatus, SwapState
 
@@ -86,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}  # request id -> sequence whose load is in flight
+        self.fetching: dict[str, Sequence] = {}  # request id -> sequence waiting on a fetch
         self._restore_plan: dict[str, AdmissionPlan] = {}
         self.namespaces: dict[str, BlockKey] = {}
         self.stats = SchedulerStats()
@@ -95,7 +97,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.fetching)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -140,6 +142,9 @@ class Scheduler:
             plan = plan_admission(
                 seq, self.kv, self.namespaces[seq.request_id], self.offload, self.block_size
             )
+            if plan.fetch_keys:
+                self._start_fetch(seq, plan)
+                continue
             layerwise = self.offload_config.load_mode == "layerwise"
             waits = bool(plan.load_keys) and not layerwise
             n = 0 if waits else min(seq.num_tokens - plan.start, budget)
@@ -162,6 +167,8 @@ class Scheduler:
         if first:
             seq.num_cached_tokens = plan.prefix.num_tokens
             seq.residency = plan.residency
+            if plan.load_keys and seq.fetched_from is not None:
+                seq.residency = seq.fetched_from
         seq.num_computed_tokens = plan.start
         seq.num_recomputed_tokens += plan.declined_tokens
         if plan.load_keys:
@@ -187,6 +194,26 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         self._restore_plan[seq.request_id] = plan
 
+    def _start_fetch(self, seq: Sequence, plan: AdmissionPlan) -> None:
+        """Bring the blocks of `seq`'s prefix that live below host up to host; it waits out
+        of the queue meanwhile and is planned again (as a host wake) when they land."""
+        assert self.offload is not None and self.offload.deep is not None
+        predicted = plan.decision.restore_s if plan.decision is not None else None
+        if self.offload.deep.fetch(seq.request_id, plan.fetch_keys, plan.fetch_tokens,
+                                   plan.fetch_tiers, predicted):
+            self.waiting.popleft()
+            seq.fetching = True
+            self.fetching[seq.request_id] = seq
+
+    def fetch_done(self, done: FetchDone) -> None:
+        """A fetch landed (or failed): the request goes back to the head of the queue."""
+        seq = self.fetching.pop(done.request_id, None)
+        if seq is None:  # aborted meanwhile: the fetched blocks just stay cached on host
+            return
+        seq.fetching = False
+        seq.fetched_from = done.source if done.fetched else None
+        self.waiting.appendleft(seq)
+
     def load_done(self, done: LoadDone) -> bool:
         """Apply a finished load; returns False if it failed (the tokens will be recomputed)."""
         seq = self.loading.pop(done.request_id)
@@ -210,7 +237,7 @@ class Scheduler:
         seq.num_restored_tokens -= plan.restored_tokens
         seq.num_recomputed_tokens += plan.restored_tokens
         seq.restore_bytes -= len(plan.load_keys) * (self.offload.block_bytes if self.offload else 0)
-        if seq.residency == "host" and seq.num_restored_tokens == 0:
+        if seq.residency in ("host", "disk", "remote") and seq.num_restored_tokens == 0:
             seq.residency = "recomputed"
         return False
 
@@ -315,6 +342,12 @@ class Scheduler:
         self.offload.store(table.block_ids[:full], table.keys[:full], tokens)
 
     def abort(self, request_id: str) -> Sequence | None:
+        fetching = self.fetching.pop(request_id, None)
+        if fetching is not None:
+            fetching.finish_reason = "abort"
+            fetching.status = SequenceStatus.FINISHED
+            self.namespaces.pop(request_id, None)
+            return fetching
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:

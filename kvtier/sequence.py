@@ -85,7 +85,7 @@ class SwapState:
     num_computed: int
 
 
-RESIDENCY_CLASSES = ("resident", "host", "recomputed", "new")
+RESIDENCY_CLASSES = ("resident", "host", "disk", "remote", "recomputed", "new")
 
 
 @dataclass
@@ -108,8 +108,9 @@ class Sequence:
     timings: RequestTimings = field(default_factory=RequestTimings)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Where this request's prior state lived when it was first admitted (RESIDENCY_CLASSES):
-    # resident (device prefix hit), host (restored), recomputed (it existed but was computed
-    # again), new. TTFT is reported per class because the classes differ by 10x.
+    # resident (device prefix hit), host (restored), disk / remote (restored after a fetch up
+    # from that tier), recomputed (it existed but was computed again), new. TTFT is reported
+    # per class because the classes differ by 10x.
     residency: str = "new"
     num_restored_tokens: int = 0
     num_recomputed_tokens: int = 0
@@ -117,6 +118,9 @@ class Sequence:
     restore_s: float = 0.0
     loading: int | None = None  # ref of the host->device load this sequence waits for
     swapped: SwapState | None = None
+    fetching: bool = False  # waiting for blocks to come up from disk/remote to host
+    fetched_from: str | None = None  # "disk" or "remote" once a fetch brought blocks to host
+    deep_checked: bool = False  # tiers below host were consulted once: never fetch twice
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,8 @@ import torch
 
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
+from kvtier.deep_driver import DeepDriver
+from kvtier.deep_offload import FetchDone
 from kvtier.errors import ConfigError
 from kvtier.model.runner import ModelRunner
 from kvtier.offload import BlockTransfer, HostOffload, LoadDone
@@ -30,16 +32,20 @@ CALIBRATION_PREFILL_TOKENS = 256
 
 
 class TransferDriver:
-    def __init__(self, offload: HostOffload, transfer: TransferEngine, host: HostPool) -> None:
+    def __init__(self, offload: HostOffload, transfer: TransferEngine, host: HostPool,
+                 deep: DeepDriver | None = None) -> None:
         self.offload = offload
         self.transfer = transfer
         self.host = host
+        self.deep = deep  # disk / remote below the host tier
         self.scheduler: Scheduler | None = None
         self._job_of: dict[int, int] = {}  # offload ref -> transfer job id
         self._ref_of: dict[int, int] = {}
 
     @classmethod
-    def build(cls, config: EngineConfig, runner: ModelRunner, pool: BlockPool) -> TransferDriver:
+    def build(cls, config: EngineConfig, runner: ModelRunner, pool: BlockPool,
+              namespace: bytes) -> TransferDriver:
+        """`namespace`: the engine's fingerprint digest, which every block below host carries."""
         if not config.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_offloading_size > 0 needs enable_prefix_caching=True: the host tier finds "
@@ -55,8 +61,17 @@ class TransferDriver:
             transfer.close()
             raise
         tier = HostTier(host.num_slots, oc.eviction_policy)
-        offload = HostOffload(oc, pool, tier, Planner(calibration), runner.block_bytes)
-        return cls(offload, transfer, host)
+        planner = Planner(calibration)
+        offload = HostOffload(oc, pool, tier, planner, runner.block_bytes)
+        try:
+            deep = DeepDriver.build(oc, host, tier, namespace, runner.block_size, planner)
+        except BaseException:
+            transfer.close()
+            host.release()
+            raise
+        if deep is not None:
+            offload.deep = deep.deep
+        return cls(offload, transfer, host, deep)
 
     def submit(self, jobs: Iterable[BlockTransfer]) -> None:
         for job in jobs:
@@ -65,6 +80,8 @@ class TransferDriver:
             job_id = self.transfer.submit(spec)
             self._job_of[job.ref] = job_id
             self._ref_of[job_id] = job.ref
+        if self.deep is not None:
+            self.deep.submit()  # fetches the scheduler started, writes of finished stores
 
     def _apply(self, result: TransferResult) -> LoadDone | None:
         ref = self._ref_of.pop(result.job_id)
@@ -78,12 +95,21 @@ class TransferDriver:
         """Apply every job that finished since the last call."""
         for result in self.transfer.poll():
             self._apply(result)
+        if self.deep is not None:
+            self._fetched(self.deep.reap())
+
+    def _fetched(self, done: list[FetchDone]) -> None:
+        if self.scheduler is not None:
+            for d in done:
+                self.scheduler.fetch_done(d)
 
     def wait_any(self) -> None:
         """Nothing can run until a transfer lands (a swap frees blocks, a load wakes a
         sequence): block on the oldest job in flight."""
         if self._ref_of:
             self._apply(self.transfer.wait(min(self._ref_of)))
+        elif self.deep is not None and self.deep.busy:  # a fetch from disk / remote
+            self._fetched(self.deep.wait_any())
 
     def layer_barrier(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
         """For layerwise loads in this step: block layer l's attention until l has arrived."""
@@ -111,17 +137,29 @@ class TransferDriver:
     def drain(self) -> None:
         """Submit what the scheduler decided and wait until no transfer is in flight."""
         self.submit(self.offload.take_jobs())
-        while self._ref_of:
+        while self.busy:
             self.wait_any()
 
     @property
     def busy(self) -> bool:
-        return bool(self._ref_of)
+        return bool(self._ref_of) or (self.deep is not None and self.deep.busy)
+
+    def write_down(self) -> None:
+        """Before a clean exit with a disk tier: every cached block still only on device or
+        host goes down to disk (two hops) and is synced, so the next process finds it."""
+        if self.deep is None or self.deep.disk is None:
+            return
+        self.drain()
+        self.offload.demote_all()
+        self.drain()
+        self.deep.flush()
 
     def close(self) -> None:
-        """Stop the worker and give the host pool's memory back, even if this object lives on
-        (a traceback, a test framework) after the engine is done with it."""
+        """Stop the workers and give the host pool's memory back, even if this object lives
+        on (a traceback, a test framework) after the engine is done with it."""
         self.transfer.close()
+        if self.deep is not None:
+            self.deep.close()
         self.host.release()
 
 

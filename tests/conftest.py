@@ -12,6 +12,8 @@ from hypothesis import settings
 
 from kvtier.model.loader import LoadedModel
 
+pytest_plugins = ["redis_server"]
+
 # CI replays the same examples every run (a failure there is reproducible from the log);
 # local runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)

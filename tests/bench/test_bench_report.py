@@ -91,7 +91,8 @@ def test_summary_equals_numbers_computed_by_hand() -> None:
     itl = [r["itl_s"] for r in records if r["itl_s"] is not None]
     assert s["itl_s"] == {"count": 7, "p50": nearest_rank(itl, 50), "p99": nearest_rank(itl, 99)}
     assert (s["config"], s["requests"], s["sessions"]) == ("tier", 8, 3)
-    assert s["residency_counts"] == {"resident": 4, "host": 3, "recomputed": 0, "new": 1}
+    assert s["residency_counts"] == {"resident": 4, "host": 3, "disk": 0, "remote": 0,
+                                     "recomputed": 0, "new": 1}
     assert s["restore_bytes"] == 15_500_000
     assert s["restore_bytes_per_request"] == 15_500_000 / 8
     assert s["restore_s_total"] == pytest.approx(0.015)
