@@ -44,8 +44,9 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None
     metrics: RequestMetrics
     finished: bool = True
-    residency: str = "new"  # where the prior state lived: resident | host | recomputed | new
-    num_restored_tokens: int = 0  # loaded from the host tier
+    # where the prior state lived: resident | host | disk | remote | recomputed | new
+    residency: str = "new"
+    num_restored_tokens: int = 0  # loaded from the host tier (fetched up to it first if deeper)
     num_recomputed_tokens: int = 0  # state that existed but was computed again
     restore_bytes: int = 0
 

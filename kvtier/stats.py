@@ -95,4 +95,5 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
         "planner": {"calibration": vars(tier.offload.planner.calibration),
                     "error": tier.offload.planner.error_report()},
     }
+    report["tiers_below_host"] = tier.deep.stats() if tier.deep is not None else None
     return report

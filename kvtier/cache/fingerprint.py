@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvtier.cache.block import BlockKey
 
@@ -22,8 +22,10 @@ class Fingerprint:
     tokenizer_digest: str
     attention_backend: str = "torch-sdpa"
     adapter: str = ""
-    kv_layout_version: int = KV_LAYOUT_VERSION
-    format_version: int = FORMAT_VERSION
+    kv_offload_encoding: str = ""  # lossy encoding of blocks below the device, "" = exact
+    # Read when an engine is built (not when this module is imported), so a test can bump them.
+    kv_layout_version: int = field(default_factory=lambda: KV_LAYOUT_VERSION)
+    format_version: int = field(default_factory=lambda: FORMAT_VERSION)
 
     def namespace(self, salt: str = "") -> BlockKey:
         """Seed of the block-hash chain; `salt` separates tenants and per-request cache salts."""
