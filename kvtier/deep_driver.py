@@ -100,15 +100,16 @@ class DeepDriver:
         return self._apply(self.io.poll())
 
     def wait_any(self) -> list[FetchDone]:
+        self.submit()
         return self._apply(self.io.wait_any(timeout=1.0)) if self._ref_of else []
 
     @property
     def busy(self) -> bool:
-        return bool(self._ref_of)
+        """A job decided (perhaps not yet submitted) or running."""
+        return bool(self.deep.jobs)
 
     def drain(self) -> None:
-        self.submit()
-        while self._ref_of:
+        while self.busy:
             self.wait_any()
 
     def flush(self) -> int:

@@ -227,5 +227,7 @@ class DeepOffload:
         self.stats.misses[label] += 1
         if label not in self._logged:
             self._logged.add(label)
-            log.warning("kvtier: a %s %s tier block failed (%s); it is a miss and its tokens "
-                        "are recomputed (logged once per tier and reason)", kind, tier, reason)
+            what = ("writing a block to" if kind == "write" else "a block fetched from")
+            log.warning("kvtier: %s the %s tier failed (%s); it is a miss, never served, and "
+                        "its tokens are recomputed (logged once per tier and reason)",
+                        what, tier, reason)

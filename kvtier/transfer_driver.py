@@ -145,9 +145,10 @@ class TransferDriver:
         return bool(self._ref_of) or (self.deep is not None and self.deep.busy)
 
     def write_down(self) -> None:
-        """Before a clean exit with a disk tier: every cached block still only on device or
-        host goes down to disk (two hops) and is synced, so the next process finds it."""
-        if self.deep is None or self.deep.disk is None:
+        """Before a clean exit with a disk or remote tier: every cached block still only on
+        device or host goes down (two hops) and the disk is synced, so the next process (or
+        another one sharing the Redis) finds it."""
+        if self.deep is None:
             return
         self.drain()
         self.offload.demote_all()
