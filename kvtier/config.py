@@ -74,6 +74,9 @@ class OffloadConfig:
     disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
     remote_kv_url: str | None = None  # redis://[:password@]host:port[/db], shared by processes
     remote_kv_ttl_s: float | None = None  # expire remote blocks after this long; None = never
+    # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
+    # see how a slower device would serve); None: as fast as the disk goes.
+    disk_kv_max_gbps: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -122,6 +125,8 @@ class OffloadConfig:
             raise ConfigError("disk_kv_size is set but disk_kv_path is not; name a directory")
         if self.disk_kv_path and self.disk_kv_size == 0:
             raise ConfigError("disk_kv_path is set but disk_kv_size is 0; give its size in GiB")
+        if self.disk_kv_max_gbps is not None and not self.disk_kv_max_gbps > 0:
+            raise ConfigError(f"disk_kv_max_gbps={self.disk_kv_max_gbps} must be > 0 (or unset)")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_ttl_s > 0:
             raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_url:

@@ -51,15 +51,17 @@ class DeepDriver:
             disk_tier = None
             if config.disk_enabled:
                 disk_store, disk_tier = _open_disk(config, host, namespace, block_size)
-                planner.calibration.tier_gbps["disk"] = measure_disk_gbps(
-                    Path(str(config.disk_kv_path)), host.slot_bytes)
+                rate = measure_disk_gbps(Path(str(config.disk_kv_path)), host.slot_bytes)
+                cap = config.disk_kv_max_gbps
+                planner.calibration.tier_gbps["disk"] = min(rate, cap) if cap else rate
             if config.remote_enabled:
                 remote_store = RedisStore(str(config.remote_kv_url), namespace,
                                           config.remote_kv_ttl_s)
                 planner.calibration.tier_gbps["remote"] = measure_remote_gbps(
                     remote_store, host.slot_bytes)
             deep = DeepOffload(host_tier, disk_tier, None, host.slot_bytes)
-            io = TierIO(host, namespace, disk_store, remote_store)
+            io = TierIO(host, namespace, disk_store, remote_store,
+                        disk_max_gbps=config.disk_kv_max_gbps)
         except BaseException:
             for store in (disk_store, remote_store):
                 if store is not None:

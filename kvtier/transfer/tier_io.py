@@ -69,9 +69,11 @@ class TierIO:
     """Runs tier jobs on one thread against a `DiskStore` and/or a `RedisStore`."""
 
     def __init__(self, host: HostPool, namespace: bytes, disk: DiskStore | None = None,
-                 remote: RedisStore | None = None, encoding: str = "") -> None:
+                 remote: RedisStore | None = None, encoding: str = "",
+                 disk_max_gbps: float | None = None) -> None:
         self.host, self.namespace = host, namespace
         self.disk, self.remote, self.encoding = disk, remote, encoding
+        self.disk_max_gbps = disk_max_gbps
         self.fault: TierFault | None = None
         self._cond = threading.Condition()
         self._queue: deque[tuple[int, TierIOSpec]] = deque()
@@ -166,7 +168,9 @@ class TierIO:
             try:
                 if fault is not None:
                     raise OSError(fault)
+                began = time.perf_counter()
                 self.disk.write(slot, self._header(key, tokens, row), row)
+                self._pace(len(row), began)
             except OSError as e:
                 reasons[i] = f"io:{e.strerror or e}" if e.strerror else f"io:{e}"
                 continue
@@ -200,7 +204,9 @@ class TierIO:
         assert self.disk is not None
         out = tensor_bytes(row)
         try:
+            began = time.perf_counter()
             header = self.disk.read(slot, out)
+            self._pace(len(out), began)
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
                            payload=out)
         except CorruptBlock as e:
@@ -212,6 +218,13 @@ class TierIO:
             with contextlib.suppress(OSError):
                 self.disk.invalidate(slot)
         return reason
+
+    def _pace(self, nbytes: int, began: float) -> None:
+        """Hold disk I/O to `disk_max_gbps` (sleeping releases the disk and the GIL)."""
+        if self.disk_max_gbps:
+            left = nbytes / (self.disk_max_gbps * 1e9) - (time.perf_counter() - began)
+            if left > 0:
+                time.sleep(left)
 
     def _remote_blobs(self, spec: TierIOSpec) -> dict[bytes, bytes | None]:
         keys = [k for k, t in zip(spec.keys, spec.tiers) if t == REMOTE]
