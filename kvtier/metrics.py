@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 PREFIX = "kvtier_"
 FINISH_STATUSES = ("stop", "length", "abort", "error")
 DIRECTIONS = ("store", "load")
+DEEP_TIERS = ("disk", "remote")
 
 # 5 ms .. 60 s: a resident prefix hit sits at the bottom, a long recompute at the top.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
@@ -139,6 +140,33 @@ def _family(kind: type, name: str, doc: str, label: str, values: Mapping[str, fl
     return family
 
 
+def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
+    """The disk and remote tiers (all 0 where they are off): traffic, and every block that
+    failed verification or I/O, by tier and reason (each one a miss, never served)."""
+    for name, doc, key in (
+        ("tier_blocks_written", "Blocks written down from host to a deeper tier.",
+         "written_blocks"),
+        ("tier_write_failures", "Blocks whose write to a deeper tier failed.",
+         "write_failures"),
+        ("tier_blocks_fetched", "Blocks fetched up to host from a deeper tier, verified.",
+         "fetched_blocks"),
+    ):
+        counts = deep.get(key) or {}
+        yield _family(CounterMetricFamily, name, doc, "tier",
+                      {t: _num(counts, t) for t in DEEP_TIERS})
+    misses = CounterMetricFamily(
+        f"{PREFIX}tier_misses", "Blocks below host refused (bad checksum, tokens or "
+        "fingerprint, I/O error, unreachable store) and recomputed, by tier and reason.",
+        labels=["tier", "reason"])
+    for label, count in (deep.get("misses") or {}).items():
+        tier, _, reason = label.partition(":")
+        misses.add_metric([tier, reason], float(count))
+    yield misses
+    disk = deep.get("disk") or {}
+    yield _family(GaugeMetricFamily, "disk_slots", "Disk tier slots by state.", "state",
+                  {"used": _num(disk, "used_slots"), "capacity": _num(disk, "capacity_slots")})
+
+
 class EngineCollector:
     """Turns the last `engine_stats` snapshot into gauge and counter families at scrape time."""
 
@@ -180,6 +208,7 @@ class EngineCollector:
                       "Host tier transfers that failed (their tokens are recomputed).",
                       "direction", {"store": _num(tier, "failed_stores"),
                                     "load": _num(tier, "failed_loads")})
+        yield from _deep_families(s.get("tiers_below_host") or {})
         yield GaugeMetricFamily(f"{PREFIX}requests_running", "Requests running now.",
                                 value=running)
         yield GaugeMetricFamily(f"{PREFIX}requests_waiting", "Requests waiting to be admitted.",

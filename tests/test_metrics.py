@@ -230,3 +230,25 @@ def test_two_metrics_objects_share_nothing() -> None:
     assert value(sb, "kvtier_device_blocks", state="total") == 0
     assert value(sb, "kvtier_requests_running") == 0
     assert ("kvtier_request_errors_total", (("code", "404"),)) not in sb
+
+
+def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
+    m = Metrics()
+    deep = {"written_blocks": {"disk": 12, "remote": 4}, "write_failures": {"remote": 3},
+            "fetched_blocks": {"disk": 6}, "misses": {"disk:checksum": 1,
+                                                      "remote:unavailable": 2},
+            "disk": {"used_slots": 12, "capacity_slots": 100}}
+    m.refresh({**stats(HOST_TIER), "tiers_below_host": deep})
+    s = scrape(m)
+    assert value(s, "kvtier_tier_blocks_written_total", tier="disk") == 12
+    assert value(s, "kvtier_tier_blocks_written_total", tier="remote") == 4
+    assert value(s, "kvtier_tier_write_failures_total", tier="remote") == 3
+    assert value(s, "kvtier_tier_write_failures_total", tier="disk") == 0
+    assert value(s, "kvtier_tier_blocks_fetched_total", tier="disk") == 6
+    assert value(s, "kvtier_tier_misses_total", tier="disk", reason="checksum") == 1
+    assert value(s, "kvtier_tier_misses_total", tier="remote", reason="unavailable") == 2
+    assert value(s, "kvtier_disk_slots", state="used") == 12
+    assert value(s, "kvtier_disk_slots", state="capacity") == 100
+    m.refresh(stats(HOST_TIER))  # no tier below host: traffic families read 0
+    s = scrape(m)
+    assert value(s, "kvtier_tier_blocks_written_total", tier="disk") == 0
