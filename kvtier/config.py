@@ -9,6 +9,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_OFFLOAD_DTYPES = ("int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -77,6 +78,9 @@ class OffloadConfig:
     # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
     # see how a slower device would serve); None: as fast as the disk goes.
     disk_kv_max_gbps: float | None = None
+    # Lossy demotion below host: blocks cross to disk / Redis as int8 or fp8 with per-head
+    # scales (4x fewer bytes than float32, 2x than 16-bit); None: exact bytes.
+    kv_offload_dtype: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -127,6 +131,13 @@ class OffloadConfig:
             raise ConfigError("disk_kv_path is set but disk_kv_size is 0; give its size in GiB")
         if self.disk_kv_max_gbps is not None and not self.disk_kv_max_gbps > 0:
             raise ConfigError(f"disk_kv_max_gbps={self.disk_kv_max_gbps} must be > 0 (or unset)")
+        if self.kv_offload_dtype is not None:
+            if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+                raise ConfigError(f"kv_offload_dtype={self.kv_offload_dtype!r} is not one of "
+                                  f"{', '.join(KV_OFFLOAD_DTYPES)} (or unset for exact bytes)")
+            if not (self.disk_enabled or self.remote_enabled):
+                raise ConfigError("kv_offload_dtype encodes blocks written below host memory: "
+                                  "set disk_kv_size or remote_kv_url as well")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_ttl_s > 0:
             raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_url:

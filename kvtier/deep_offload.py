@@ -59,11 +59,13 @@ class FetchDone:
     request_id: str
     fetched: int  # leading blocks now complete on host
     source: str | None  # the deepest tier a fetched block came from
+    lossy: bool = False  # the fetched blocks were stored 8-bit (kv_offload_dtype)
 
 
 @dataclass
 class DeepStats:
     written: Counter[str] = field(default_factory=Counter)  # blocks, per tier
+    written_bytes: Counter[str] = field(default_factory=Counter)  # as stored (encoded)
     write_failures: Counter[str] = field(default_factory=Counter)
     fetched: Counter[str] = field(default_factory=Counter)
     fetched_bytes: Counter[str] = field(default_factory=Counter)
@@ -82,9 +84,10 @@ class DeepOffload:
     """Coordinates the host tier's slots with the disk and remote tiers for the scheduler."""
 
     def __init__(self, host: HostTier, disk: DiskTier | None, remote: RemoteTier | None,
-                 block_bytes: int) -> None:
+                 block_bytes: int, encoding: str = "") -> None:
         self.host, self.disk, self.remote = host, disk, remote
         self.block_bytes = block_bytes
+        self.encoding = encoding  # "" exact, or the lossy encoding of every block below host
         self.jobs: dict[int, _Job] = {}
         self._outbox: list[TierTransfer] = []
         self._refs = itertools.count()
@@ -193,6 +196,7 @@ class DeepOffload:
                 self.remote.complete_store(good, True)
                 self.remote.complete_store(bad, False)
             self.stats.written[tier] += len(good)
+            self.stats.written_bytes[tier] += outcome.nbytes
             self.stats.write_failures[tier] += len(bad)
             return None
         # A fetch serves only its leading verified run: a prefix cannot skip a block.
@@ -215,10 +219,11 @@ class DeepOffload:
             self.remote.complete_load(remote_n, remote_bad)
         for tier in t.tiers[:n]:
             self.stats.fetched[tier] += 1
-            self.stats.fetched_bytes[tier] += self.block_bytes
         source = REMOTE if REMOTE in t.tiers[:n] else DISK if n else None
+        if source is not None:
+            self.stats.fetched_bytes[source] += outcome.nbytes  # as stored: encoded if lossy
         assert job.request_id is not None
-        return FetchDone(job.request_id, n, source)
+        return FetchDone(job.request_id, n, source, lossy=bool(n and self.encoding))
 
     def _miss(self, tier: str, reason: str, kind: str) -> None:
         if reason == "skipped":  # after an earlier failure in the same prefix: not its fault

@@ -62,6 +62,7 @@ class LLMEngine:
             tokenizer_digest=self.tokenizer.digest(),
             attention_backend=f"torch-sdpa-{self.runner.device.type}"
             + ("-invariant" if config.batch_invariant else ""),
+            kv_offload_encoding=config.offload.kv_offload_dtype or "",
         )
         self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)
         context = config.scheduler.max_model_len or loaded.spec.max_position_embeddings

@@ -49,6 +49,7 @@ class RequestOutput:
     num_restored_tokens: int = 0  # loaded from the host tier (fetched up to it first if deeper)
     num_recomputed_tokens: int = 0  # state that existed but was computed again
     restore_bytes: int = 0
+    lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -77,6 +78,7 @@ class RequestOutput:
             finished=seq.is_finished, residency=seq.residency,
             num_restored_tokens=seq.num_restored_tokens,
             num_recomputed_tokens=seq.num_recomputed_tokens, restore_bytes=seq.restore_bytes,
+            lossy=seq.lossy,
         )
 
 

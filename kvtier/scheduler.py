@@ -212,6 +212,7 @@ class Scheduler:
             return
         seq.fetching = False
         seq.fetched_from = done.source if done.fetched else None
+        seq.lossy = done.lossy
         self.waiting.appendleft(seq)
 
     def load_done(self, done: LoadDone) -> bool:
@@ -237,6 +238,8 @@ class Scheduler:
         seq.num_restored_tokens -= plan.restored_tokens
         seq.num_recomputed_tokens += plan.restored_tokens
         seq.restore_bytes -= len(plan.load_keys) * (self.offload.block_bytes if self.offload else 0)
+        if seq.num_restored_tokens == 0:
+            seq.lossy = False
         if seq.residency in ("host", "disk", "remote") and seq.num_restored_tokens == 0:
             seq.residency = "recomputed"
         return False

@@ -75,7 +75,7 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
     }
     tier = engine.tier
     if tier is None:
-        report["host_tier"] = None
+        report["host_tier"] = report["tiers_below_host"] = None
         return report
     t = tier.transfer.stats()
     ts = tier.offload.tier.stats

@@ -36,6 +36,7 @@ from kvtier.transfer.block_format import (
 )
 from kvtier.transfer.disk_store import DiskStore
 from kvtier.transfer.host_memory import HostPool
+from kvtier.transfer.kv_codec import decode, encode, encoded_nbytes
 from kvtier.transfer.redis_store import RedisStore, RemoteUnavailable
 
 DISK, REMOTE = "disk", "remote"
@@ -150,7 +151,7 @@ class TierIO:
     def _write(self, spec: TierIOSpec) -> tuple[list[bool], list[str], int]:
         n = len(spec.keys)
         ok, reasons = [False] * n, ["io"] * n
-        rows = [tensor_bytes(self.host.tensor[s]) for s in spec.host_slots]
+        rows = [self._payload(self.host.tensor[s]) for s in spec.host_slots]
         if spec.tiers and spec.tiers[0] == REMOTE:
             assert self.remote is not None
             items = [(k, pack(self._header(k, t, row), row))
@@ -178,6 +179,12 @@ class TierIO:
             nbytes += len(row)
         return ok, reasons, nbytes
 
+    def _payload(self, row: torch.Tensor) -> memoryview:
+        """What is stored for a host row: its bytes, or their 8-bit encoding."""
+        if self.encoding:
+            return memoryview(encode(row, self.encoding))
+        return tensor_bytes(row)
+
     # -- fetches ------------------------------------------------------------------------
 
     def _fetch(self, spec: TierIOSpec) -> tuple[list[bool], list[str], int]:
@@ -196,21 +203,32 @@ class TierIO:
                 reasons[i] = reason
                 break  # a prefix cannot skip a block: the rest is recomputed anyway
             ok[i], reasons[i] = True, ""
-            nbytes += row.numel() * row.element_size()
+            nbytes += self._stored_nbytes(row)
         return ok, reasons, nbytes
+
+    def _stored_nbytes(self, row: torch.Tensor) -> int:
+        """Bytes a block occupies below host (what crossed the wire to fetch it)."""
+        if self.encoding:
+            return encoded_nbytes(tuple(row.shape), self.encoding)
+        return row.numel() * row.element_size()
 
     def _read_disk(self, key: bytes, tokens: Sequence[int], slot: int, row: torch.Tensor
                    ) -> str | None:
         assert self.disk is not None
-        out = tensor_bytes(row)
+        out = (memoryview(bytearray(encoded_nbytes(tuple(row.shape), self.encoding)))
+               if self.encoding else tensor_bytes(row))
         try:
             began = time.perf_counter()
             header = self.disk.read(slot, out)
             self._pace(len(out), began)
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
                            payload=out)
+            if reason is None and self.encoding:
+                decode(out, row, self.encoding)
         except CorruptBlock as e:
             reason = e.reason
+        except ValueError:
+            reason = "encoding"  # an 8-bit payload whose scales or length do not decode
         except OSError as e:
             return f"io:{e.strerror or e}"  # the medium failed, not the block: keep the slot
         if reason is not None:
@@ -248,7 +266,10 @@ class TierIO:
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
                            payload=payload)
             if reason is None:
-                copy_into(row, payload)
+                if self.encoding:
+                    decode(payload, row, self.encoding)
+                else:
+                    copy_into(row, payload)
                 return None
         except CorruptBlock as e:
             reason = e.reason
