@@ -80,6 +80,9 @@ class Metrics:
         self.restored_tokens = Counter(
             f"{PREFIX}restored_tokens", "Tokens whose KV was loaded from the host tier.",
             registry=r)
+        self.lossy_restores = Counter(
+            f"{PREFIX}lossy_restores", "Requests restored from 8-bit blocks below host "
+            "(kv_offload_dtype): close to, not bit-equal to, the exact KV.", registry=r)
         self.recomputed_tokens = Counter(
             f"{PREFIX}recomputed_tokens", "Tokens whose KV existed but was computed again.",
             registry=r)
@@ -109,6 +112,8 @@ class Metrics:
         self.cached_tokens.inc(out.num_cached_tokens)
         self.restored_tokens.inc(out.num_restored_tokens)
         self.recomputed_tokens.inc(out.num_recomputed_tokens)
+        if out.lossy:
+            self.lossy_restores.inc()
 
     def observe_error(self, code: int) -> None:
         """Count one request the server refused with HTTP status `code`."""

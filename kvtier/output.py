@@ -93,6 +93,7 @@ class StreamDelta:
     finished: bool
     residency: str
     holdback: int  # trailing characters that may still turn out to begin a stop string
+    lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
 
     @classmethod
     def of(cls, seq: Sequence, finished: bool) -> StreamDelta:
@@ -100,7 +101,7 @@ class StreamDelta:
         if not finished:  # a multi-byte character still being assembled decodes as U+FFFD
             hold = max(hold, len(seq.output_text) - len(seq.output_text.rstrip("\ufffd")))
         return cls(seq.request_id, seq.output_text, len(seq.output_token_ids), finished,
-                   seq.residency, hold)
+                   seq.residency, hold, seq.lossy)
 
 
 class StopChecker:

@@ -28,6 +28,7 @@ from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, err
 from kvtier.stats import RequestLog, engine_stats
 
 RESIDENCY_HEADER = "x-kvtier-residency"
+LOSSY_HEADER = "x-kvtier-lossy"
 
 
 class ApiError(Exception):
@@ -137,6 +138,8 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
             raise
         residency = first.residency
         headers = {RESIDENCY_HEADER: residency}
+        if first.lossy:  # restored from 8-bit blocks: close to, not equal to, the exact KV
+            headers[LOSSY_HEADER] = "true"
         shape = _Shape(stream.request_id, served_name, chat, req.return_token_ids)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -240,4 +243,4 @@ def usage_of(out: RequestOutput) -> dict[str, Any]:
             "restored_tokens": out.num_restored_tokens,
             "recomputed_tokens": out.num_recomputed_tokens,
             "restore_ms": round(out.metrics.restore_s * 1e3, 3),
-            "residency": out.residency}
+            "residency": out.residency, "lossy": out.lossy}
