@@ -240,15 +240,19 @@ def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
             "disk": {"used_slots": 12, "capacity_slots": 100}}
     m.refresh({**stats(HOST_TIER), "tiers_below_host": deep})
     s = scrape(m)
-    assert value(s, "kvtier_tier_blocks_written_total", tier="disk") == 12
-    assert value(s, "kvtier_tier_blocks_written_total", tier="remote") == 4
-    assert value(s, "kvtier_tier_write_failures_total", tier="remote") == 3
-    assert value(s, "kvtier_tier_write_failures_total", tier="disk") == 0
-    assert value(s, "kvtier_tier_blocks_fetched_total", tier="disk") == 6
-    assert value(s, "kvtier_tier_misses_total", tier="disk", reason="checksum") == 1
-    assert value(s, "kvtier_tier_misses_total", tier="remote", reason="unavailable") == 2
-    assert value(s, "kvtier_disk_slots", state="used") == 12
-    assert value(s, "kvtier_disk_slots", state="capacity") == 100
+    expected = {
+        ("kvtier_tier_blocks_written_total", "disk"): 12,
+        ("kvtier_tier_blocks_written_total", "remote"): 4,
+        ("kvtier_tier_write_failures_total", "remote"): 3,
+        ("kvtier_tier_write_failures_total", "disk"): 0,
+        ("kvtier_tier_blocks_fetched_total", "disk"): 6,
+    }
+    for (name, tier), count in expected.items():
+        assert value(s, name, tier=tier) == count, (name, tier)
+    for (tier, reason), count in {("disk", "checksum"): 1, ("remote", "unavailable"): 2}.items():
+        assert value(s, "kvtier_tier_misses_total", tier=tier, reason=reason) == count
+    assert {state: value(s, "kvtier_disk_slots", state=state) for state in ("used", "capacity")
+            } == {"used": 12, "capacity": 100}
     m.refresh(stats(HOST_TIER))  # no tier below host: traffic families read 0
     s = scrape(m)
     assert value(s, "kvtier_tier_blocks_written_total", tier="disk") == 0
