@@ -8,13 +8,13 @@ again once the fetch lands. Pure bookkeeping.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.cache.block import BlockKey
 from kvtier.cache.kv_cache import CachedPrefix, KVCacheManager
 from kvtier.offload import SWAP_PREFIX, HostOffload
 from kvtier.planner import Decision
-from kvtier.sequence import Sequence
+from kvtier.sequence import Sequence, SwapState
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,16 @@ def plan_admission(
     if fetch is not None:
         return AdmissionPlan(prefix, prefix.num_tokens, decision=fetch[0], fetch_keys=fetch[1],
                              fetch_tokens=fetch[2], fetch_tiers=fetch[3])
+    plan = _plan_host(prefix, swapped, keys, hits, block_size, offload)
+    # State below host that was declined, or failed to come up, is computed again too.
+    extra = seq.deep_declined_tokens
+    return replace(plan, declined_tokens=plan.declined_tokens + extra) if extra else plan
+
+
+def _plan_host(prefix: CachedPrefix, swapped: SwapState | None, keys: list[BlockKey],
+               hits: int, block_size: int, offload: HostOffload) -> AdmissionPlan:
+    """Restore the `hits` leading host blocks, or recompute them, as the planner says."""
+    d = len(prefix.block_ids)
     done = swapped is not None
     if hits == 0:
         lost = swapped.num_computed - prefix.num_tokens if swapped else 0
@@ -99,5 +109,6 @@ def _plan_fetch(seq: Sequence, offload: HostOffload, keys: list[BlockKey],
     via = "remote" if "remote" in tiers else "disk"
     decision = offload.planner.decide(n * block_size, n * offload.block_bytes, "auto", via)
     if decision.choice == "recompute":
+        seq.deep_declined_tokens = n * block_size
         return None
     return decision, list(keys[:n]), [tuple(t) for t in tokens[:n]], tiers

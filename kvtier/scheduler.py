@@ -171,6 +171,7 @@ class Scheduler:
                 seq.residency = seq.fetched_from
         seq.num_computed_tokens = plan.start
         seq.num_recomputed_tokens += plan.declined_tokens
+        seq.deep_declined_tokens = 0  # counted once
         if plan.load_keys:
             self._start_load(seq, plan, layerwise)
         if plan.swap_state_done and seq.swapped is not None:
@@ -213,6 +214,7 @@ class Scheduler:
         seq.fetching = False
         seq.fetched_from = done.source if done.fetched else None
         seq.lossy = done.lossy
+        seq.deep_declined_tokens = done.missed * self.block_size
         self.waiting.appendleft(seq)
 
     def load_done(self, done: LoadDone) -> bool:

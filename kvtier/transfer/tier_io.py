@@ -40,6 +40,10 @@ from kvtier.transfer.kv_codec import decode, encode, encoded_nbytes
 from kvtier.transfer.redis_store import RedisStore, RemoteUnavailable
 
 DISK, REMOTE = "disk", "remote"
+# Redis round trips carry at most this many bytes: one huge MGET is slower to parse (measured
+# 0.66 vs 1.0 GB/s for 64 vs 16 blocks of 737 KB) and a single stall past the socket timeout
+# would cost the whole prefix instead of its tail.
+REMOTE_BATCH_BYTES = 16 << 20
 SKIPPED = "skipped"  # not read: an earlier block of the same prefix failed
 
 
@@ -156,11 +160,16 @@ class TierIO:
             assert self.remote is not None
             items = [(k, pack(self._header(k, t, row), row))
                      for k, t, row in zip(spec.keys, spec.tokens, rows)]
-            try:
-                self.remote.put_many(items)
-            except RemoteUnavailable:
-                return ok, ["unavailable"] * n, 0
-            return [True] * n, [""] * n, sum(len(r) for r in rows)
+            nbytes = 0
+            for lo, hi in _batches([len(row) for row in rows]):
+                try:
+                    self.remote.put_many(items[lo:hi])
+                except RemoteUnavailable:
+                    reasons[lo:] = ["unavailable"] * (n - lo)
+                    break
+                ok[lo:hi], reasons[lo:hi] = [True] * (hi - lo), [""] * (hi - lo)
+                nbytes += sum(len(row) for row in rows[lo:hi])
+            return ok, reasons, nbytes
         assert self.disk is not None
         nbytes = 0
         for i, (key, tokens, row, slot) in enumerate(
@@ -249,10 +258,14 @@ class TierIO:
         if not keys:
             return {}
         assert self.remote is not None
-        try:
-            return dict(zip(keys, self.remote.get_many(keys)))
-        except RemoteUnavailable:
-            return {}
+        size = self._stored_nbytes(self.host.tensor[0])
+        blobs: dict[bytes, bytes | None] = {}
+        for lo, hi in _batches([size] * len(keys)):
+            try:
+                blobs.update(zip(keys[lo:hi], self.remote.get_many(keys[lo:hi])))
+            except RemoteUnavailable:
+                break  # the leading batches still serve; the rest is "unavailable"
+        return blobs
 
     def _read_remote(self, key: bytes, tokens: Sequence[int], blobs: dict[bytes, bytes | None],
                      row: torch.Tensor) -> str | None:
@@ -280,3 +293,18 @@ class TierIO:
         with contextlib.suppress(RemoteUnavailable):
             self.remote.delete_many([key])
         return reason
+
+
+def _batches(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of consecutive items, each at most REMOTE_BATCH_BYTES (or one
+    item where a single one is larger)."""
+    out: list[tuple[int, int]] = []
+    lo, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > lo and total + size > REMOTE_BATCH_BYTES:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += size
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out

@@ -246,3 +246,23 @@ def test_redis_killed_mid_run_and_restarted(tiny: LoadedModel, redis_server: Any
         c.close()
     assert woken.residency == "remote"
     assert_same(woken, reference(ids))
+
+
+@pytest.mark.parametrize("why", ["declined", "failed"])
+def test_state_below_host_not_restored_counts_as_recomputed(why: str, tiny: LoadedModel,
+                                                             tmp_path: Path,
+                                                             reference: Any) -> None:
+    knobs, ids = written_disk(tiny, tmp_path)
+    if why == "declined":  # a disk this slow loses to recompute: the planner says no
+        knobs = {**knobs, "disk_kv_max_gbps": 1e-6}
+    b = Engine(tiny, **knobs)
+    try:
+        if why == "failed":
+            b.engine.tier.deep.io.fault = (
+                lambda spec, i: "checksum" if spec.kind == "fetch" else None)
+        out = b.run(ids)
+    finally:
+        b.close()
+    assert_same(out, reference(ids))
+    assert out.residency == "recomputed"
+    assert out.num_restored_tokens == 0 and out.num_recomputed_tokens == 6 * BLOCK
