@@ -167,25 +167,8 @@ def filesystem_of(path: Path) -> dict[str, str]:
 
 
 def cold_read_gbps(directory: Path, block_bytes: int, mib: int = COLD_READ_MIB) -> float:
-    """Read GB/s of `mib` MiB written in block-sized pwrites, fsynced, dropped from the page
-    cache, then read back in block-sized preads (as the disk tier reads its slots)."""
-    n = max(1, (mib << 20) // block_bytes)
-    payload = os.urandom(block_bytes)
-    path = directory / f".tiers-cold-read-{os.getpid()}"
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-    try:
-        for i in range(n):
-            os.pwrite(fd, payload, i * block_bytes)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        for i in range(n):
-            os.pread(fd, block_bytes, i * block_bytes)
-        seconds = time.perf_counter() - start
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    return n * block_bytes / seconds / 1e9
+    """Read GB/s of `mib` MiB read cold in block-sized preads (as the disk tier reads slots)."""
+    return measure_disk_gbps(directory, block_bytes, blocks=max(1, (mib << 20) // block_bytes))
 
 
 class Redis:

@@ -181,34 +181,37 @@ def _open_disk(config: OffloadConfig, host: HostPool, namespace: bytes, block_si
     return store, tier
 
 
-def measure_disk_gbps(directory: Path, block_bytes: int) -> float:
-    """Read GB/s of the disk tier's filesystem: blocks written, synced, dropped from the page
-    cache where the kernel allows, then read back (a scratch file, removed after)."""
+def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATION_BLOCKS
+                      ) -> float:
+    """Read GB/s of the disk tier's filesystem: `blocks` blocks written, synced, dropped from
+    the page cache where the kernel allows, then read back (a scratch file, removed after)."""
     payload = os.urandom(block_bytes)
     path = directory / f".kvtier-calibration-{os.getpid()}"
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
     try:
-        for i in range(CALIBRATION_BLOCKS):
+        for i in range(blocks):
             os.pwrite(fd, payload, i * block_bytes)
         os.fsync(fd)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         start = time.perf_counter()
-        for i in range(CALIBRATION_BLOCKS):
+        for i in range(blocks):
             os.pread(fd, block_bytes, i * block_bytes)
         seconds = time.perf_counter() - start
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
-    return CALIBRATION_BLOCKS * block_bytes / max(seconds, 1e-9) / 1e9
+    return blocks * block_bytes / max(seconds, 1e-9) / 1e9
 
 
 def measure_remote_gbps(store: RedisStore, block_bytes: int) -> float:
-    """Read GB/s from Redis (one batched get of a few blocks put under scratch keys)."""
+    """Read GB/s from Redis (a batched get of a few blocks put under scratch keys, timed
+    after one warm-up get)."""
     keys = [b"calibration:%d:%d" % (os.getpid(), i) for i in range(CALIBRATION_BLOCKS)]
     payload = os.urandom(block_bytes)
     try:
         store.put_many([(k, payload) for k in keys])
+        store.get_many(keys)  # warm-up: a fresh process's first large replies page-fault
         start = time.perf_counter()
         store.get_many(keys)
         seconds = time.perf_counter() - start
