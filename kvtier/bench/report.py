@@ -33,6 +33,7 @@ CLASS_COLORS = MappingProxyType({"resident": "tab:green", "host": "tab:orange",
 CONFIG_STYLES = ("-", "--", ":", "-.")
 CONFIG_MARKERS = ("o", "^", "s", "D", "v", "x")
 TABLE_CAPTION = "TTFT cells: p50 / p90 / p99 ms (n requests)"
+OPTIONAL_CLASSES = ("disk", "remote")
 
 
 def _classes(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -149,6 +150,9 @@ def table_rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, list[str
     """(row label, one cell per configuration): the table both text and HTML show."""
     cfgs = list(summaries.values())
     classes = list(dict.fromkeys(c for s in cfgs for c in s["ttft_s"] if c != "all"))
+    # Tiers below host get a row only where some configuration had one (they are opt-in).
+    classes = [c for c in classes if c not in OPTIONAL_CLASSES
+               or any(s["ttft_s"].get(c, {}).get("count") for s in cfgs)]
 
     def row(label: str, cell: Any) -> tuple[str, list[str]]:
         return label, [cell(s) for s in cfgs]
