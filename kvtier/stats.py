@@ -56,6 +56,7 @@ class RequestLog:
             "recomputed_tokens": sum(o.num_recomputed_tokens for o in self.outputs),
             "cached_tokens": sum(o.num_cached_tokens for o in self.outputs),
             "requests_restored": len(restored),
+            "requests_restored_lossy": sum(1 for o in restored if o.lossy),
         }
 
 

@@ -46,6 +46,9 @@ def test_lossy_restore_is_tagged_close_and_smaller(dtype: str, tiny: LoadedModel
     reference, _ = serve(tiny, ids, kv_offloading_size=0)
     assert out.residency == "disk" and out.lossy and out.num_restored_tokens == 96
     assert not reference.lossy
+    log = RequestLog()
+    log.add([out, reference])
+    assert log.restore_summary()["requests_restored_lossy"] == 1  # LLM.stats() reports it
     # 8-bit payloads: a quarter of float32's bytes, plus one float32 scale per head slab
     exact = stats["block_bytes"]
     assert stats["fetched_bytes"]["disk"] / stats["fetched_blocks"]["disk"] < 0.3 * exact
