@@ -195,10 +195,13 @@ class HostOffload:
         idle = self.pool.cached_free(self.pool.num_blocks, idle_before=cutoff)
         self._store_free_blocks(idle, demote=True)
 
-    def demote_all(self) -> None:
-        """Push every cached, unused device block down to host and drop its device copy
-        (what `idle_offload_s` does after a while, now): for `kvtier selftest` and tests."""
-        self._store_free_blocks(self.pool.cached_free(self.pool.num_blocks), demote=True)
+    def demote_all(self, limit: int | None = None) -> int:
+        """Push cached, unused device blocks down to host and drop their device copy (what
+        `idle_offload_s` does after a while, now), at most `limit` of them; how many were
+        taken. For `kvtier selftest`, tests, and the write-down at shutdown."""
+        blocks = self.pool.cached_free(self.pool.num_blocks)[:limit]
+        self._store_free_blocks(blocks, demote=True)
+        return len(blocks)
 
     def write_back(self, watermark: int) -> None:
         """`write_back` policy: the next `watermark` blocks the device would evict go down.

@@ -151,9 +151,13 @@ class TransferDriver:
         if self.deep is None:
             return
         self.drain()
-        self.offload.demote_all()
-        self.drain()
-        self.deep.flush()
+        self.deep.flush()  # what only host holds goes down first: the batches below evict it
+        batch = max(1, self.offload.tier.num_slots // 2)  # a host smaller than the device
+        for _ in range(-(-self.offload.pool.num_blocks // batch)):  # bounded: stores may fail
+            if not self.offload.demote_all(batch):  # demoted blocks leave the device cache
+                break
+            self.drain()
+            self.deep.flush()
 
     def close(self) -> None:
         """Stop the workers and give the host pool's memory back, even if this object lives
