@@ -104,7 +104,8 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         print(f"kvtier selftest on {loaded.source}: {report.conversations} conversations, "
               f"{report.turns} turns, {report.demoted_blocks} blocks demoted to host, "
               f"{report.restored_tokens} tokens restored, {report.blocks_compared} blocks "
-              "compared byte for byte")
+              f"compared byte for byte, {report.restarts} restarts; warm turns by residency "
+              f"{report.residency}")
         for line in report.token_mismatches + report.byte_mismatches:
             print(f"MISMATCH {line}")
         if report.restored_tokens == 0:

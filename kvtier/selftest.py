@@ -1,5 +1,7 @@
 """`kvtier selftest`: cold versus warm, checked. Conversations run twice on the same model:
 once never offloaded, once with every turn's KV forced down to host memory and woken back.
+With a disk or remote tier configured, the warm engine is also shut down and started again
+before every round of turns, so the state comes back from that tier across a restart.
 Outputs must agree token by token and every restored block byte for byte."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from kvtier.cache.block import BlockKey
 from kvtier.config import EngineConfig
 from kvtier.engine import LLMEngine
+from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.model.runner import resolve_device
 from kvtier.sequence import SamplingParams
@@ -25,6 +28,8 @@ class SelftestReport:
     restored_tokens: int = 0
     demoted_blocks: int = 0
     blocks_compared: int = 0
+    restarts: int = 0  # warm engine shut down and started again (a disk or remote tier)
+    residency: dict[str, int] = field(default_factory=dict)  # warm turns by residency
     token_mismatches: list[str] = field(default_factory=list)
     byte_mismatches: list[str] = field(default_factory=list)
 
@@ -44,9 +49,19 @@ def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,
     invariant = resolve_device(knobs.get("device", "auto")).type == "cpu"
     common = {"batch_invariant": invariant, "num_device_blocks": 256, **knobs}
     host_gib = common.pop("kv_offloading_size", 0.25)
+    deep = {k: common.pop(k) for k in DEEP_KNOBS if k in common}
+    if deep.get("kv_offload_dtype"):
+        raise ConfigError("kvtier selftest checks exactness; kv_offload_dtype is lossy by "
+                          "design (benchmarks/lossy.py measures how close it is)")
+    restart = bool(deep.get("disk_kv_size") or deep.get("remote_kv_url"))
     ref = LLMEngine(EngineConfig.from_knobs(model=loaded.source, **common), loaded=loaded)
-    tiered = LLMEngine(EngineConfig.from_knobs(model=loaded.source, kv_offloading_size=host_gib,
-                                               **common), loaded=loaded)
+
+    def warm_engine() -> LLMEngine:
+        return LLMEngine(EngineConfig.from_knobs(model=loaded.source,
+                                                 kv_offloading_size=host_gib, **common, **deep),
+                         loaded=loaded)
+
+    tiered = warm_engine()
     rng = random.Random(seed)
     vocab = loaded.spec.vocab_size
     report = SelftestReport(conversations=conversations)
@@ -56,12 +71,17 @@ def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,
                             logprobs=5 if invariant else None)
     try:
         for turn in range(turns):
+            if restart and turn > 0:  # a clean shutdown writes every block down
+                tiered.close()
+                tiered = warm_engine()
+                report.restarts += 1
             for i, history in enumerate(histories):
                 report.demoted_blocks += tiered.demote_cached()
                 want = _one(ref, history, params)
                 got = _one(tiered, history, params)
                 report.turns += 1
                 report.restored_tokens += got.num_restored_tokens
+                report.residency[got.residency] = report.residency.get(got.residency, 0) + 1
                 if got.token_ids != want.token_ids or got.logprobs != want.logprobs:
                     first = next((j for j, (a, b) in enumerate(zip(got.token_ids,
                                   want.token_ids)) if a != b), min(len(got.token_ids),
@@ -76,6 +96,10 @@ def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,
     finally:
         tiered.close()
     return report
+
+
+DEEP_KNOBS = ("disk_kv_path", "disk_kv_size", "disk_kv_max_gbps", "remote_kv_url",
+              "remote_kv_ttl_s", "kv_offload_dtype")
 
 
 def _one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Any:

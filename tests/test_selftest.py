@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvtier.cli import main
 from kvtier.engine import LLMEngine
+from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.selftest import run_selftest
 
@@ -36,3 +39,17 @@ def test_selftest_reports_corruption_with_a_diff(tiny: LoadedModel,
 def test_selftest_cli_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["selftest", "--model", "tiny", "--conversations", "2", "--turns", "2"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_selftest_across_restarts_wakes_from_disk(tiny: LoadedModel, tmp_path: Path) -> None:
+    report = run_selftest(tiny, conversations=2, turns=3, disk_kv_path=str(tmp_path / "kv"),
+                          disk_kv_size=0.01)
+    assert report.ok, report.as_dict()
+    assert report.restarts == 2
+    assert report.residency.get("disk", 0) == 4  # every conversation, every later round
+
+
+def test_selftest_refuses_a_lossy_tier(tiny: LoadedModel, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="lossy"):
+        run_selftest(tiny, disk_kv_path=str(tmp_path / "kv"), disk_kv_size=0.01,
+                     kv_offload_dtype="int8")
