@@ -78,8 +78,9 @@ class OffloadConfig:
     # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
     # see how a slower device would serve); None: as fast as the disk goes.
     disk_kv_max_gbps: float | None = None
-    # Lossy demotion below host: blocks cross to disk / Redis as int8 or fp8 with per-head
-    # scales (4x fewer bytes than float32, 2x than 16-bit); None: exact bytes.
+    # Lossy demotion: blocks leave the device as int8 or fp8 with per-head scales (4x fewer
+    # bytes than float32, 2x than 16-bit, on the host link, in host memory and below); None:
+    # exact bytes.
     kv_offload_dtype: str | None = None
 
     @property
@@ -135,9 +136,9 @@ class OffloadConfig:
             if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
                 raise ConfigError(f"kv_offload_dtype={self.kv_offload_dtype!r} is not one of "
                                   f"{', '.join(KV_OFFLOAD_DTYPES)} (or unset for exact bytes)")
-            if not (self.disk_enabled or self.remote_enabled):
-                raise ConfigError("kv_offload_dtype encodes blocks written below host memory: "
-                                  "set disk_kv_size or remote_kv_url as well")
+            if not self.enabled:
+                raise ConfigError("kv_offload_dtype encodes blocks on their way down to host "
+                                  "memory (and below): set kv_offloading_size as well")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_ttl_s > 0:
             raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_url:

@@ -23,7 +23,6 @@ from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer.block_format import max_header_nbytes
 from kvtier.transfer.disk_store import DiskStore, round_up
 from kvtier.transfer.host_memory import HostPool
-from kvtier.transfer.kv_codec import encoded_nbytes
 from kvtier.transfer.redis_store import RedisStore, RemoteUnavailable
 from kvtier.transfer.tier_io import TierIO, TierIOResult, TierIOSpec
 
@@ -60,9 +59,8 @@ class DeepDriver:
                                           config.remote_kv_ttl_s)
                 planner.calibration.tier_gbps["remote"] = measure_remote_gbps(
                     remote_store, host.slot_bytes)
-            encoding = config.kv_offload_dtype or ""
-            deep = DeepOffload(host_tier, disk_tier, None, host.slot_bytes, encoding)
-            io = TierIO(host, namespace, disk_store, remote_store, encoding,
+            deep = DeepOffload(host_tier, disk_tier, None, host.slot_bytes, host.encoding)
+            io = TierIO(host, namespace, disk_store, remote_store,
                         disk_max_gbps=config.disk_kv_max_gbps)
         except BaseException:
             for store in (disk_store, remote_store):
@@ -166,10 +164,9 @@ def _open_disk(config: OffloadConfig, host: HostPool, namespace: bytes, block_si
     store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header)
     try:
         tier = DiskTier(num_slots, config.eviction_policy)
-        encoding = config.kv_offload_dtype
-        payload = encoded_nbytes(host.block_shape, encoding) if encoding else host.slot_bytes
         found = [(slot, h.key, h.tokens) for slot, h in store.scan()
-                 if h.namespace == namespace and h.payload_nbytes == payload]
+                 if h.namespace == namespace and h.payload_nbytes == host.slot_bytes
+                 and h.encoding == host.encoding]
         for slot in tier.adopt(found):
             store.invalidate(slot)
     except BaseException:

@@ -97,6 +97,7 @@ class HostOffload:
         self._refs = itertools.count()
         self.stats = OffloadStats()
         self.deep: DeepOffload | None = None  # disk / remote below the host tier, if any
+        self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
 
     def take_jobs(self) -> list[BlockTransfer]:
         jobs, self._outbox = self._outbox, []

@@ -192,6 +192,7 @@ class Scheduler:
         )
         seq.num_restored_tokens += plan.restored_tokens
         seq.restore_bytes += len(blocks) * self.offload.block_bytes
+        seq.lossy = seq.lossy or self.offload.lossy
         self.loading[seq.request_id] = seq
         self._restore_plan[seq.request_id] = plan
 

@@ -52,7 +52,8 @@ class TransferDriver:
                 "blocks by their prefix keys, so nothing would ever be offloaded"
             )
         oc = config.offload
-        host = HostPool.from_size(oc.kv_offloading_size, runner.kv)
+        host = HostPool.from_size(oc.kv_offloading_size, runner.kv,
+                                  encoding=oc.kv_offload_dtype or "")
         transfer = TransferEngine(runner.kv, host, oc.blocks_per_chunk,
                                   store_gbps=oc.max_store_gbps)
         try:
@@ -172,7 +173,7 @@ def calibrate(runner: ModelRunner, transfer: TransferEngine, host: HostPool) -> 
     """Measure this machine's link and prefill speed before serving (the planner's start)."""
     n = min(CALIBRATION_BLOCKS, runner.num_blocks, host.num_slots)
     blocks = tuple(range(n))
-    transfer.submit(TransferSpec(Direction.STORE, blocks, blocks))
+    transfer.wait(transfer.submit(TransferSpec(Direction.STORE, blocks, blocks)))
     for _ in range(2):
         full = transfer.wait(transfer.submit(TransferSpec(Direction.LOAD, blocks, blocks)))
     one = transfer.wait(transfer.submit(TransferSpec(Direction.LOAD, blocks[:1], blocks[:1])))

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.transfer.kv_codec import decode, decode_layer, encode_into
+
 Run = tuple[int, int, int]  # (first device block, first host slot, number of blocks)
 
 
@@ -93,6 +95,31 @@ def copy_layer(
         # kv[:, layer]: [num_blocks, block_size, 2, num_kv_heads, head_dim], a strided view
         device_kv[:, layer].index_copy_(0, blocks, host[:, layer].index_select(0, slots))
     return len(device_blocks) * block_bytes(device_kv) // device_kv.shape[1]
+
+
+def code_blocks(device_kv: torch.Tensor, host: torch.Tensor, device_blocks: Sequence[int],
+                host_slots: Sequence[int], store: bool, encoding: str) -> int:
+    """Whole blocks through an 8-bit host pool (`kv_offload_dtype`): a store encodes each
+    block into its slot, a load decodes it back; returns the bytes the host side moved.
+
+    host: [num_slots, encoded_nbytes] uint8
+    """
+    for b, s in zip(device_blocks, host_slots):
+        if store:
+            encode_into(device_kv[b], host[s], encoding)
+        else:
+            decode(host[s].numpy(), device_kv[b], encoding)
+    return len(device_blocks) * host.shape[1]
+
+
+def decode_layer_blocks(device_kv: torch.Tensor, host: torch.Tensor, layer: int,
+                        device_blocks: Sequence[int], host_slots: Sequence[int],
+                        encoding: str) -> int:
+    """Layer `layer` of n blocks decoded from an 8-bit host pool (a layerwise load)."""
+    num_layers = device_kv.shape[1]
+    for b, s in zip(device_blocks, host_slots):
+        decode_layer(host[s], device_kv[b, layer], layer, num_layers, encoding)
+    return len(device_blocks) * host.shape[1] // num_layers
 
 
 def block_bytes(device_kv: torch.Tensor) -> int:

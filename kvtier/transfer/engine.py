@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.transfer.copy import copy_blocks, copy_layer, layer_index
+from kvtier.transfer.copy import (
+    code_blocks,
+    copy_blocks,
+    copy_layer,
+    decode_layer_blocks,
+    layer_index,
+)
 from kvtier.transfer.host_memory import HostPool
 from kvtier.transfer.job import Job, JobState
 from kvtier.transfer.spec import (
@@ -70,6 +76,11 @@ class TransferEngine:
             )
         if not device_kv.is_contiguous():
             raise ConfigError("device_kv must be contiguous (a block is one run of memory)")
+        if host.encoding and device_kv.is_cuda:
+            raise ConfigError(
+                "kv_offload_dtype encodes blocks on the CPU path only for now (the CUDA side "
+                "would quantize on the device before the copy, which is not built); unset it"
+            )
         if device_kv.is_cuda and not host.pinned:
             raise ConfigError("a CUDA device needs a pinned host pool (HostPool.like pins it)")
         if blocks_per_chunk < 1:
@@ -292,14 +303,20 @@ class TransferEngine:
                 self._cond.wait(max(0.0, nbytes / (self.store_gbps * 1e9) - (end - start)))
 
     def _copy(self, job: Job, idx: int) -> int:
-        spec, host = job.spec, self.host.tensor
+        spec, host, encoding = job.spec, self.host.tensor, self.host.encoding
         if spec.layerwise:
+            if encoding:
+                return decode_layer_blocks(self.device_kv, host, idx, spec.device_blocks,
+                                           spec.host_slots, encoding)
             return copy_layer(self.device_kv, host, idx, spec.device_blocks, spec.host_slots,
                               job.index)
         per_step = spec.num_blocks if spec.direction is Direction.LOAD else self.blocks_per_chunk
         lo, hi = idx * per_step, (idx + 1) * per_step
-        return copy_blocks(self.device_kv, host, spec.device_blocks[lo:hi],
-                           spec.host_slots[lo:hi], store=spec.direction is Direction.STORE)
+        blocks, slots = spec.device_blocks[lo:hi], spec.host_slots[lo:hi]
+        store = spec.direction is Direction.STORE
+        if encoding:
+            return code_blocks(self.device_kv, host, blocks, slots, store, encoding)
+        return copy_blocks(self.device_kv, host, blocks, slots, store=store)
 
     def _fail(self, job: Job, error: str) -> None:
         event = None

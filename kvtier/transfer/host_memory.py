@@ -2,7 +2,10 @@
 
 Slot i holds one device block for all layers contiguously, so a block moves as one copy:
     host: [num_slots, num_layers, block_size, 2, num_kv_heads, head_dim]
-Page-locked (pinned) when the device is CUDA, so copies are true async DMA; plain on CPU.
+With `encoding` (kv_offload_dtype = int8 | fp8) a slot instead holds the block's 8-bit
+encoding (`transfer.kv_codec`): [num_slots, encoded_nbytes] uint8, 4x the blocks per GiB
+from float32. Page-locked (pinned) when the device is CUDA, so copies are true async DMA;
+plain on CPU.
 Pinning registers the exact allocation with `cudaHostRegister` instead of using
 `torch.empty(pin_memory=True)`: torch's caching host allocator rounds every pinned
 allocation up to a power of two, so a 40 GiB pool would lock 64 GiB of RAM.
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.transfer.kv_codec import encoded_nbytes
 
 SAFE_RAM_SHARE = 0.8  # a pool may take at most this share of the RAM available at startup
 GIB = 1024**3
@@ -56,18 +60,23 @@ class HostPool:
         dtype: torch.dtype,
         pin_memory: bool = False,
         available_bytes: int | None = None,
+        encoding: str = "",
     ) -> None:
         if num_slots < 1:
             raise ConfigError(f"a host pool needs at least one slot, got num_slots={num_slots}")
-        self.block_shape = tuple(block_shape)
+        self.block_shape = tuple(block_shape)  # the device block a slot stands for
         self.dtype = dtype
-        self.slot_bytes = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+        self.encoding = encoding
+        self.slot_bytes = slot_nbytes(self.block_shape, dtype, encoding)
+        row = (self.slot_bytes,) if encoding else self.block_shape
+        stored = torch.uint8 if encoding else dtype
         self.num_slots = num_slots
         check_fits(num_slots * self.slot_bytes, available_bytes)
         rss_before = rss_bytes()
         start = time.perf_counter()
-        # host: [num_slots, num_layers, block_size, 2, num_kv_heads, head_dim]
-        self.tensor = torch.empty((num_slots, *self.block_shape), dtype=dtype)
+        # host: [num_slots, num_layers, block_size, 2, num_kv_heads, head_dim], or
+        # [num_slots, encoded_nbytes] uint8 with an encoding
+        self.tensor = torch.empty((num_slots, *row), dtype=stored)
         self.tensor.zero_()  # touch every page: the memory is held now, not at first store
         if pin_memory:
             self._unpin = _register_pinned(self, self.tensor)
@@ -77,17 +86,18 @@ class HostPool:
 
     @classmethod
     def like(cls, device_kv: torch.Tensor, num_slots: int,
-             available_bytes: int | None = None) -> HostPool:
-        """Slots shaped like the blocks of `device_kv`, pinned when it lives on CUDA."""
+             available_bytes: int | None = None, encoding: str = "") -> HostPool:
+        """Slots for the blocks of `device_kv`, pinned when it lives on CUDA."""
         # device_kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
         return cls(num_slots, tuple(device_kv.shape[1:]), device_kv.dtype,
-                   pin_memory=device_kv.is_cuda, available_bytes=available_bytes)
+                   pin_memory=device_kv.is_cuda, available_bytes=available_bytes,
+                   encoding=encoding)
 
     @classmethod
     def from_size(cls, size_gib: float, device_kv: torch.Tensor,
-                  available_bytes: int | None = None) -> HostPool:
+                  available_bytes: int | None = None, encoding: str = "") -> HostPool:
         """As many slots as fit in `size_gib` (the `kv_offloading_size` knob)."""
-        block_bytes = math.prod(device_kv.shape[1:]) * device_kv.element_size()
+        block_bytes = slot_nbytes(tuple(device_kv.shape[1:]), device_kv.dtype, encoding)
         size_bytes = size_gib * GIB
         check_fits(size_bytes, available_bytes)
         num_slots = int(size_bytes // block_bytes)
@@ -96,14 +106,14 @@ class HostPool:
                 f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
                 f"{block_bytes} bytes ({block_bytes / GIB:.6f} GiB); raise it"
             )
-        return cls.like(device_kv, num_slots, available_bytes)
+        return cls.like(device_kv, num_slots, available_bytes, encoding)
 
     def release(self) -> None:
         """Free the pool's memory now (unpinning it first on CUDA); the pool is unusable after."""
         if self.pinned:
             self._unpin()  # unregisters the pages, then lets the finalizer drop its reference
             self.pinned = False
-        self.tensor = torch.empty((0, *self.block_shape), dtype=self.dtype)
+        self.tensor = self.tensor.new_empty((0, *self.tensor.shape[1:]))
         self.num_slots = 0
 
     @property
@@ -111,7 +121,8 @@ class HostPool:
         return self.num_slots * self.slot_bytes
 
     def slot(self, i: int) -> torch.Tensor:
-        """Slot i as a [num_layers, block_size, 2, num_kv_heads, head_dim] view."""
+        """Slot i: a [num_layers, block_size, 2, num_kv_heads, head_dim] view, or its encoded
+        bytes with an encoding."""
         return self.tensor[i]
 
     def stats(self) -> dict[str, int]:
@@ -123,6 +134,13 @@ class HostPool:
             "pinned_bytes": self.allocated_bytes if self.pinned else 0,
             "rss_growth_bytes": self.rss_growth_bytes,
         }
+
+
+def slot_nbytes(block_shape: tuple[int, ...], dtype: torch.dtype, encoding: str = "") -> int:
+    """Bytes of one host slot: the device block's, or its 8-bit encoding's."""
+    if encoding:
+        return encoded_nbytes(block_shape, encoding)
+    return math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def check_fits(size_bytes: float, available_bytes: int | None = None) -> None:

@@ -98,16 +98,26 @@ def encoded_nbytes(block_shape: tuple[int, ...], encoding: str) -> int:
 
 
 def encode(block: torch.Tensor, encoding: str) -> bytes:
-    """The 8-bit payload of a KV block; ValueError if it holds NaN or Inf.
+    """The 8-bit payload of a KV block; ValueError if it holds NaN or Inf."""
+    buf = bytearray(encoded_nbytes(block.shape, encoding))
+    encode_into(block, torch.frombuffer(buf, dtype=torch.uint8), encoding)
+    return bytes(buf)
+
+
+def encode_into(block: torch.Tensor, out: torch.Tensor, encoding: str) -> None:
+    """Encode a KV block into `out`, a uint8 CPU tensor of `encoded_nbytes` (a host row).
 
     A non-finite value would poison its slab's scale (every value in it decodes to NaN or
-    0), so it is refused here rather than written down as a silently wrong block.
+    0), so it is refused (ValueError) rather than stored as a silently wrong block.
     """
     qmax = _qmax(encoding)
     layers, _block_size, kv, heads, _head_dim = _check_tensor(block, "block")
     scale_nbytes = _SCALE_NBYTES * layers * kv * heads
-    buf = bytearray(encoded_nbytes(block.shape, encoding))
-    codes = torch.frombuffer(buf, dtype=torch.int8)[scale_nbytes:].view(block.shape)
+    if out.dtype != torch.uint8 or out.numel() != encoded_nbytes(block.shape, encoding):
+        raise ValueError(f"out must be uint8 of {encoded_nbytes(block.shape, encoding)} bytes, "
+                         f"got {out.dtype} of {out.numel()}")
+    flat = out.view(-1)
+    codes = flat[scale_nbytes:].view(torch.int8).view(block.shape)
 
     x = block.detach()
     xf = x if x.dtype == torch.float32 else x.float()  # exact; float32 reductions are faster
@@ -116,7 +126,8 @@ def encode(block: torch.Tensor, encoding: str) -> bytes:
     if not math.isfinite(float(absmax.max())):  # max propagates NaN
         raise ValueError(f"KV block holds NaN or Inf; refusing to encode it as {encoding}")
     scales = torch.div(absmax, qmax).clamp_(min=_MIN_SCALE)
-    buf[:scale_nbytes] = scales.numpy().astype("<f4", copy=False).tobytes()
+    flat[:scale_nbytes].copy_(torch.frombuffer(
+        bytearray(scales.numpy().astype("<f4", copy=False).tobytes()), dtype=torch.uint8))
     torch.div(xf, scales.view(layers, 1, kv, heads, 1), out=y)
     if encoding == "int8":
         y.round_().clamp_(-qmax, qmax)
@@ -125,7 +136,6 @@ def encode(block: torch.Tensor, encoding: str) -> bytes:
         # |y| <= 448 up to float32 rounding; the clamp keeps the cast from ever seeing more.
         y.clamp_(-qmax, qmax)
         codes.view(torch.float8_e4m3fn).copy_(y)
-    return bytes(buf)
 
 
 def _byte_tensor(mv: memoryview) -> torch.Tensor:
@@ -178,6 +188,27 @@ def decode(payload: bytes | memoryview, out: torch.Tensor, encoding: str) -> Non
         # A slab at the edge of float32's range, or a wider block decoded into float16:
         # saturate rather than hand back an Inf.
         out.clamp_(-fmax, fmax)
+
+
+def decode_layer(row: torch.Tensor, out: torch.Tensor, layer: int, num_layers: int,
+                 encoding: str) -> None:
+    """Decode layer `layer` of an encoded block held in `row` (uint8, `encoded_nbytes`) into
+    `out` ([block_size, 2, num_kv_heads, head_dim]): a layerwise load decodes as it goes."""
+    block_size, kv, heads, head_dim = out.shape
+    shape = (num_layers, block_size, kv, heads, head_dim)
+    if row.dtype != torch.uint8 or row.numel() != encoded_nbytes(shape, encoding):
+        raise ValueError(f"row must be uint8 of {encoded_nbytes(shape, encoding)} bytes")
+    nscales = num_layers * kv * heads
+    per_layer = block_size * kv * heads * head_dim
+    flat = row.view(-1)
+    scales = flat[: _SCALE_NBYTES * nscales].view(torch.float32).view(num_layers, kv, heads)
+    start = _SCALE_NBYTES * nscales + layer * per_layer
+    codes = flat[start : start + per_layer].view(torch.int8).view(out.shape)
+    scale = scales[layer].view(1, kv, heads, 1)
+    if encoding == "int8":
+        torch.mul(codes, scale, out=out)
+    else:
+        torch.mul(_e4m3_as_float16(codes), scale * 2.0**8, out=out)
 
 
 def _e4m3_as_float16(codes: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ from kvtier.transfer.block_format import (
 )
 from kvtier.transfer.disk_store import DiskStore
 from kvtier.transfer.host_memory import HostPool
-from kvtier.transfer.kv_codec import decode, encode, encoded_nbytes
 from kvtier.transfer.redis_store import RedisStore, RemoteUnavailable
 
 DISK, REMOTE = "disk", "remote"
@@ -74,10 +73,10 @@ class TierIO:
     """Runs tier jobs on one thread against a `DiskStore` and/or a `RedisStore`."""
 
     def __init__(self, host: HostPool, namespace: bytes, disk: DiskStore | None = None,
-                 remote: RedisStore | None = None, encoding: str = "",
-                 disk_max_gbps: float | None = None) -> None:
+                 remote: RedisStore | None = None, disk_max_gbps: float | None = None) -> None:
         self.host, self.namespace = host, namespace
-        self.disk, self.remote, self.encoding = disk, remote, encoding
+        self.disk, self.remote = disk, remote
+        self.encoding = host.encoding  # a row's bytes go down as they are: encoded or not
         self.disk_max_gbps = disk_max_gbps
         self.fault: TierFault | None = None
         self._cond = threading.Condition()
@@ -155,7 +154,7 @@ class TierIO:
     def _write(self, spec: TierIOSpec) -> tuple[list[bool], list[str], int]:
         n = len(spec.keys)
         ok, reasons = [False] * n, ["io"] * n
-        rows = [self._payload(self.host.tensor[s]) for s in spec.host_slots]
+        rows = [tensor_bytes(self.host.tensor[s]) for s in spec.host_slots]
         if spec.tiers and spec.tiers[0] == REMOTE:
             assert self.remote is not None
             items = [(k, pack(self._header(k, t, row), row))
@@ -188,12 +187,6 @@ class TierIO:
             nbytes += len(row)
         return ok, reasons, nbytes
 
-    def _payload(self, row: torch.Tensor) -> memoryview:
-        """What is stored for a host row: its bytes, or their 8-bit encoding."""
-        if self.encoding:
-            return memoryview(encode(row, self.encoding))
-        return tensor_bytes(row)
-
     # -- fetches ------------------------------------------------------------------------
 
     def _fetch(self, spec: TierIOSpec) -> tuple[list[bool], list[str], int]:
@@ -215,29 +208,23 @@ class TierIO:
             nbytes += self._stored_nbytes(row)
         return ok, reasons, nbytes
 
-    def _stored_nbytes(self, row: torch.Tensor) -> int:
-        """Bytes a block occupies below host (what crossed the wire to fetch it)."""
-        if self.encoding:
-            return encoded_nbytes(tuple(row.shape), self.encoding)
+    @staticmethod
+    def _stored_nbytes(row: torch.Tensor) -> int:
+        """Bytes a block occupies below host: its host row's (encoded where the pool is)."""
         return row.numel() * row.element_size()
 
     def _read_disk(self, key: bytes, tokens: Sequence[int], slot: int, row: torch.Tensor
                    ) -> str | None:
         assert self.disk is not None
-        out = (memoryview(bytearray(encoded_nbytes(tuple(row.shape), self.encoding)))
-               if self.encoding else tensor_bytes(row))
+        out = tensor_bytes(row)
         try:
             began = time.perf_counter()
             header = self.disk.read(slot, out)
             self._pace(len(out), began)
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
                            payload=out)
-            if reason is None and self.encoding:
-                decode(out, row, self.encoding)
         except CorruptBlock as e:
             reason = e.reason
-        except ValueError:
-            reason = "encoding"  # an 8-bit payload whose scales or length do not decode
         except OSError as e:
             return f"io:{e.strerror or e}"  # the medium failed, not the block: keep the slot
         if reason is not None:
@@ -279,10 +266,7 @@ class TierIO:
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
                            payload=payload)
             if reason is None:
-                if self.encoding:
-                    decode(payload, row, self.encoding)
-                else:
-                    copy_into(row, payload)
+                copy_into(row, payload)
                 return None
         except CorruptBlock as e:
             reason = e.reason

@@ -1,5 +1,6 @@
-"""kv_offload_dtype: blocks below host cross in 8 bits, a session restored from them is
-tagged lossy, and a lossy block is never found by an exact engine (or the reverse)."""
+"""kv_offload_dtype: blocks leave the device in 8 bits (host memory holds ~4x more, disk and
+Redis get the same bytes), a session restored from them is tagged lossy, and a lossy block
+is never found by an exact engine (or the reverse)."""
 
 from __future__ import annotations
 
@@ -68,9 +69,37 @@ def test_exact_and_lossy_engines_never_share_blocks(tiny: LoadedModel, tmp_path:
     assert out.residency == "new" and not out.lossy and stats["fetched_blocks"] == {}
 
 
-def test_lossy_needs_a_tier_below_host() -> None:
-    with pytest.raises(ConfigError, match="below host"):
-        EngineConfig.from_knobs(kv_offloading_size=0.01, kv_offload_dtype="int8")
+def test_lossy_needs_the_host_tier() -> None:
+    with pytest.raises(ConfigError, match="kv_offloading_size"):
+        EngineConfig.from_knobs(kv_offload_dtype="int8")
     with pytest.raises(ConfigError, match="int8, fp8"):
-        EngineConfig.from_knobs(kv_offloading_size=0.01, disk_kv_path="/tmp/x",
-                                disk_kv_size=0.01, kv_offload_dtype="int4")
+        EngineConfig.from_knobs(kv_offloading_size=0.01, kv_offload_dtype="int4")
+
+
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_host_tier_holds_8bit_blocks_and_wakes_from_them(load_mode: str,
+                                                         tiny: LoadedModel) -> None:
+    exact = LLMEngine(EngineConfig.from_knobs(model="tiny", **BASE), loaded=tiny)
+    lossy = LLMEngine(EngineConfig.from_knobs(model="tiny", **BASE, kv_offload_dtype="int8",
+                                              load_mode=load_mode), loaded=tiny)
+    try:
+        # the same GiB holds ~4x the blocks: float32 block vs its int8 codes plus scales
+        assert lossy.tier.host.num_slots > 3.5 * exact.tier.host.num_slots
+        first = lossy.run_to_completion([lossy.add_request(FIRST, PARAMS)])
+        out1 = next(iter(first.values()))
+        lossy.tier.drain()
+        lossy.demote_cached()  # the session went idle: only its 8-bit copy is left
+        ids = [*FIRST, *out1.token_ids, 3, 4, 5]
+        rid = lossy.add_request(ids, PARAMS)
+        out = lossy.run_to_completion([rid])[rid]
+        ref = exact.run_to_completion([exact.add_request(ids, PARAMS)])
+        want = next(iter(ref.values()))
+    finally:
+        lossy.close()
+        exact.close()
+    assert out.residency == "host" and out.lossy and out.num_restored_tokens == 96
+    assert not want.lossy
+    for got, expected in zip(out.logprobs, want.logprobs):
+        token = next(iter(expected))
+        if token in got:
+            assert abs(got[token] - expected[token]) < 0.1
