@@ -7,7 +7,9 @@ directory wakes it from disk for a follow-up. The follow-up's answer is compared
 run that never left the device: the first token's top-20 logprobs (max and mean absolute
 deviation over the tokens both runs rank), whether the top token agrees, and how many of
 the greedy tokens agree before the first divergence. Bytes per block as stored below host
-are printed beside the exact block size.
+are printed beside the exact block size, and a host-tier wake of the same session (demoted
+to host, then the follow-up) is timed per encoding: 8-bit slots hold 4x the blocks but cost
+an encode on the way down and a decode on the way up.
 
     python benchmarks/lossy.py [--contexts 512,2048] [--new-tokens 32] [--out DIR]
 """
@@ -58,6 +60,25 @@ def serve(loaded: LoadedModel, prompt: list[int], params: SamplingParams, **knob
         engine.close()
 
 
+def host_wake(loaded: LoadedModel, session: list[int], follow: list[int],
+              **knobs: Any) -> tuple[float, int]:
+    """TTFT (s) of `follow` after `session` was demoted to the host tier; host slots per GiB."""
+    engine = LLMEngine(EngineConfig.from_knobs(model=loaded.source, kv_offloading_size=0.5,
+                                               batch_invariant=True, **knobs), loaded=loaded)
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        engine.run_to_completion([engine.add_request(session, params)])
+        assert engine.tier is not None
+        engine.tier.drain()
+        engine.demote_cached()
+        rid = engine.add_request(follow, params)
+        out = engine.run_to_completion([rid])[rid]
+        assert out.residency == "host", out.residency
+        return out.metrics.ttft_s or 0.0, int(engine.tier.host.num_slots / 0.5)
+    finally:
+        engine.close()
+
+
 def deviation(got: RequestOutput, want: RequestOutput) -> dict[str, Any]:
     """First-token logprob deviation and greedy agreement of `got` against `want`."""
     assert got.logprobs and want.logprobs
@@ -90,7 +111,8 @@ def main() -> int:
     first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows: list[dict[str, Any]] = []
     print(f"{'context':>7} {'encoding':>8} {'bytes/block':>11} {'saved':>6} {'residency':>9} "
-          f"{'max|dlogp|':>10} {'mean|dlogp|':>11} {'top1':>5} {'greedy agree':>12}")
+          f"{'max|dlogp|':>10} {'mean|dlogp|':>11} {'top1':>5} {'greedy agree':>12} "
+          f"{'host wake ms':>12} {'slots/GiB':>9}")
     for n in contexts:
         session = corpus(loaded, n)
         follow = session + loaded.tokenizer.encode(FOLLOW_UP)
@@ -112,12 +134,16 @@ def main() -> int:
                    "bytes_saved_fraction": 1 - per_block / exact,
                    "fetched_bytes": fetched["fetched_bytes"].get("disk", 0),
                    **deviation(out, reference)}
+            extra = {"kv_offload_dtype": encoding} if encoding != "exact" else {}
+            ttft, per_gib = host_wake(loaded, session, follow, **extra)
+            row.update(host_wake_ttft_s=ttft, host_slots_per_gib=per_gib)
             rows.append(row)
             top1 = "yes" if row["top1_agrees"] else "no"
             print(f"{n:>7} {encoding:>8} {per_block:>11,.0f} {row['bytes_saved_fraction']:>6.0%} "
                   f"{out.residency:>9} {row['first_token_max_abs_logprob_diff']:>10.4f} "
                   f"{row['first_token_mean_abs_logprob_diff']:>11.4f} {top1:>5} "
-                  f"{row['greedy_tokens_agreeing']:>5}/{row['greedy_tokens']:<6}")
+                  f"{row['greedy_tokens_agreeing']:>5}/{row['greedy_tokens']:<6} "
+                  f"{ttft * 1e3:>12.1f} {per_gib:>9,}")
     path = write_result("lossy", {"rows": rows, "top_logprobs": TOP,
                                   "model": loaded.source}, args.out)
     print(f"wrote {path}")
