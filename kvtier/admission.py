@@ -107,7 +107,8 @@ def _plan_fetch(seq: Sequence, offload: HostOffload, keys: list[BlockKey],
         return None
     n = len(tiers)
     via = "remote" if "remote" in tiers else "disk"
-    decision = offload.planner.decide(n * block_size, n * offload.block_bytes, "auto", via)
+    decision = offload.planner.decide(n * block_size, n * offload.block_bytes, "auto", via,
+                                      via_nbytes=n * deep.block_bytes)
     if decision.choice == "recompute":
         seq.deep_declined_tokens = n * block_size
         return None

@@ -78,6 +78,10 @@ class OffloadConfig:
     # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
     # see how a slower device would serve); None: as fast as the disk goes.
     disk_kv_max_gbps: float | None = None
+    # The planner's starting read rate (GB/s) of each tier below host; None: probed at start
+    # (a few blocks, cold). Either way it is refined from every fetch.
+    disk_kv_read_gbps: float | None = None
+    remote_kv_read_gbps: float | None = None
     # Lossy demotion: blocks leave the device as int8 or fp8 with per-head scales (4x fewer
     # bytes than float32, 2x than 16-bit, on the host link, in host memory and below); None:
     # exact bytes.
@@ -130,8 +134,10 @@ class OffloadConfig:
             raise ConfigError("disk_kv_size is set but disk_kv_path is not; name a directory")
         if self.disk_kv_path and self.disk_kv_size == 0:
             raise ConfigError("disk_kv_path is set but disk_kv_size is 0; give its size in GiB")
-        if self.disk_kv_max_gbps is not None and not self.disk_kv_max_gbps > 0:
-            raise ConfigError(f"disk_kv_max_gbps={self.disk_kv_max_gbps} must be > 0 (or unset)")
+        for name in ("disk_kv_max_gbps", "disk_kv_read_gbps", "remote_kv_read_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value} must be > 0 (or unset)")
         if self.kv_offload_dtype is not None:
             if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
                 raise ConfigError(f"kv_offload_dtype={self.kv_offload_dtype!r} is not one of "

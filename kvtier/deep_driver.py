@@ -15,7 +15,7 @@ from typing import Any
 
 from kvtier.config import OffloadConfig
 from kvtier.deep_offload import DeepOffload, FetchDone, TierOutcome
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.planner import Planner
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
@@ -51,14 +51,15 @@ class DeepDriver:
             disk_tier = None
             if config.disk_enabled:
                 disk_store, disk_tier = _open_disk(config, host, namespace, block_size)
-                rate = measure_disk_gbps(Path(str(config.disk_kv_path)), host.slot_bytes)
+                rate = config.disk_kv_read_gbps or measure_disk_gbps(
+                    Path(str(config.disk_kv_path)), host.slot_bytes)
                 cap = config.disk_kv_max_gbps
                 planner.calibration.tier_gbps["disk"] = min(rate, cap) if cap else rate
             if config.remote_enabled:
                 remote_store = RedisStore(str(config.remote_kv_url), namespace,
                                           config.remote_kv_ttl_s)
-                planner.calibration.tier_gbps["remote"] = measure_remote_gbps(
-                    remote_store, host.slot_bytes)
+                planner.calibration.tier_gbps["remote"] = _remote_rate(
+                    remote_store, host.slot_bytes, config.remote_kv_read_gbps)
             deep = DeepOffload(host_tier, disk_tier, None, host.slot_bytes, host.encoding)
             io = TierIO(host, namespace, disk_store, remote_store,
                         disk_max_gbps=config.disk_kv_max_gbps)
@@ -77,7 +78,7 @@ class DeepDriver:
         assert self.remote is not None
         try:
             return self.remote.exists_many(list(keys))
-        except RemoteUnavailable:
+        except KvtierError:  # unreachable, or credentials revoked since start: a miss
             self.remote_errors += 1
             return [False] * len(keys)
 
@@ -199,6 +200,18 @@ def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATI
         os.close(fd)
         path.unlink(missing_ok=True)
     return blocks * block_bytes / max(seconds, 1e-9) / 1e9
+
+
+def _remote_rate(store: RedisStore, block_bytes: int, configured: float | None) -> float:
+    """The planner's starting Redis read rate; bad credentials fail here, at start
+    (ConfigError), while an unreachable server only warns: serving goes on without it."""
+    try:
+        store.check()
+    except RemoteUnavailable as e:
+        log.warning("kvtier: remote tier %s unreachable at start (%s); serving goes on, "
+                    "its blocks are misses until it answers", store.url_for_log, e)
+        return configured or UNMEASURED_REMOTE_GBPS
+    return configured or measure_remote_gbps(store, block_bytes)
 
 
 def measure_remote_gbps(store: RedisStore, block_bytes: int) -> float:

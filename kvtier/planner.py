@@ -67,12 +67,15 @@ class Planner:
     history: list[Observation] = field(default_factory=list)
     max_history: int = 10_000
 
-    def restore_s(self, nbytes: int, via: str | None = None) -> float:
-        """Host -> device; `via` a deeper tier adds the hop from it up to host first."""
+    def restore_s(self, nbytes: int, via: str | None = None, via_nbytes: int | None = None
+                  ) -> float:
+        """Host -> device; `via` a deeper tier adds the hop from it up to host first, of
+        `via_nbytes` (what that tier stores: fewer than `nbytes` where blocks are 8-bit)."""
         c = self.calibration
         seconds = nbytes / (c.link_gbps * 1e9) + c.transfer_overhead_s
         if via is not None:
-            seconds += nbytes / (c.tier_gbps[via] * 1e9) + c.transfer_overhead_s
+            hop = nbytes if via_nbytes is None else via_nbytes
+            seconds += hop / (c.tier_gbps[via] * 1e9) + c.transfer_overhead_s
         return seconds
 
     def recompute_s(self, tokens: int) -> float:
@@ -85,11 +88,11 @@ class Planner:
         attention = c.attention_s_per_token2 * (end * end - cached_tokens * cached_tokens) / 2
         return tokens / c.prefill_tokens_per_s + attention
 
-    def decide(self, tokens: int, nbytes: int, mode: str = "auto", via: str | None = None
-               ) -> Decision:
+    def decide(self, tokens: int, nbytes: int, mode: str = "auto", via: str | None = None,
+               via_nbytes: int | None = None) -> Decision:
         """`mode` is the user's preemption_mode: auto compares; swap/recompute force a side.
         `via` names the deeper tier the bytes must first come up from, if any."""
-        restore, recompute = self.restore_s(nbytes, via), self.recompute_s(tokens)
+        restore, recompute = self.restore_s(nbytes, via, via_nbytes), self.recompute_s(tokens)
         if mode == "swap":
             choice: Choice = "restore"
         elif mode == "recompute":

@@ -43,7 +43,7 @@ def test_selftest_cli_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_selftest_across_restarts_wakes_from_disk(tiny: LoadedModel, tmp_path: Path) -> None:
     report = run_selftest(tiny, conversations=2, turns=3, disk_kv_path=str(tmp_path / "kv"),
-                          disk_kv_size=0.01)
+                          disk_kv_size=0.01, disk_kv_read_gbps=2.0)
     assert report.ok, report.as_dict()
     assert report.restarts == 2
     assert report.residency.get("disk", 0) == 4  # every conversation, every later round

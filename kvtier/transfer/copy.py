@@ -1,6 +1,8 @@
 """The copy primitives, chosen by device: whole blocks, and one layer of n blocks.
 
 Primitives:
+  move_blocks / move_layer                      what the transfer engine calls: the plain
+                                                copies below, or the 8-bit ones at the end
   block_runs(blocks, slots)                     pairs grouped into runs of consecutive ids
   copy_blocks(kv, host, blocks, slots, store)   whole blocks, all layers, one copy per run
   copy_layer(kv, host, layer, blocks, slots)    layer `layer` of n blocks, host -> device
@@ -95,6 +97,23 @@ def copy_layer(
         # kv[:, layer]: [num_blocks, block_size, 2, num_kv_heads, head_dim], a strided view
         device_kv[:, layer].index_copy_(0, blocks, host[:, layer].index_select(0, slots))
     return len(device_blocks) * block_bytes(device_kv) // device_kv.shape[1]
+
+
+def move_blocks(device_kv: torch.Tensor, host: torch.Tensor, device_blocks: Sequence[int],
+                host_slots: Sequence[int], store: bool, encoding: str = "") -> int:
+    """Whole blocks between the device and the host pool, plain or 8-bit (`encoding`)."""
+    if encoding:
+        return code_blocks(device_kv, host, device_blocks, host_slots, store, encoding)
+    return copy_blocks(device_kv, host, device_blocks, host_slots, store)
+
+
+def move_layer(device_kv: torch.Tensor, host: torch.Tensor, layer: int,
+               device_blocks: Sequence[int], host_slots: Sequence[int],
+               index: tuple[torch.Tensor, torch.Tensor] | None, encoding: str = "") -> int:
+    """One layer of a layerwise load, from a plain or an 8-bit host pool."""
+    if encoding:
+        return decode_layer_blocks(device_kv, host, layer, device_blocks, host_slots, encoding)
+    return copy_layer(device_kv, host, layer, device_blocks, host_slots, index)
 
 
 def code_blocks(device_kv: torch.Tensor, host: torch.Tensor, device_blocks: Sequence[int],

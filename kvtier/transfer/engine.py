@@ -31,13 +31,7 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.transfer.copy import (
-    code_blocks,
-    copy_blocks,
-    copy_layer,
-    decode_layer_blocks,
-    layer_index,
-)
+from kvtier.transfer.copy import layer_index, move_blocks, move_layer
 from kvtier.transfer.host_memory import HostPool
 from kvtier.transfer.job import Job, JobState
 from kvtier.transfer.spec import (
@@ -305,18 +299,12 @@ class TransferEngine:
     def _copy(self, job: Job, idx: int) -> int:
         spec, host, encoding = job.spec, self.host.tensor, self.host.encoding
         if spec.layerwise:
-            if encoding:
-                return decode_layer_blocks(self.device_kv, host, idx, spec.device_blocks,
-                                           spec.host_slots, encoding)
-            return copy_layer(self.device_kv, host, idx, spec.device_blocks, spec.host_slots,
-                              job.index)
+            return move_layer(self.device_kv, host, idx, spec.device_blocks, spec.host_slots,
+                              job.index, encoding)
         per_step = spec.num_blocks if spec.direction is Direction.LOAD else self.blocks_per_chunk
         lo, hi = idx * per_step, (idx + 1) * per_step
-        blocks, slots = spec.device_blocks[lo:hi], spec.host_slots[lo:hi]
-        store = spec.direction is Direction.STORE
-        if encoding:
-            return code_blocks(self.device_kv, host, blocks, slots, store, encoding)
-        return copy_blocks(self.device_kv, host, blocks, slots, store=store)
+        return move_blocks(self.device_kv, host, spec.device_blocks[lo:hi],
+                           spec.host_slots[lo:hi], spec.direction is Direction.STORE, encoding)
 
     def _fail(self, job: Job, error: str) -> None:
         event = None

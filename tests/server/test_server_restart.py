@@ -24,7 +24,7 @@ def serve(disk: Path | None) -> tuple[object, str]:
     args = ["--num-device-blocks", "64", "--batch-invariant"]
     if disk is not None:
         args += ["--kv-offloading-size", "0.02", "--disk-kv-path", str(disk),
-                 "--disk-kv-size", "0.01"]
+                 "--disk-kv-size", "0.01", "--disk-kv-read-gbps", "2"]
     return start_server(*args)
 
 

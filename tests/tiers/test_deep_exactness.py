@@ -43,6 +43,7 @@ def test_any_interleaving_with_disk_matches_an_unlimited_pool(
         return LLMEngine(EngineConfig.from_knobs(
             model="tiny", batch_invariant=True, num_device_blocks=16, idle_offload_s=0.005,
             kv_offloading_size=host_gib, disk_kv_path=str(directory), disk_kv_size=0.01,
+            disk_kv_read_gbps=2.0,  # a steady planner call for the tiny model
             eviction_policy=policy, max_num_batched_tokens=48), loaded=tiny)
 
     ref = LLMEngine(EngineConfig.from_knobs(model="tiny", batch_invariant=True,

@@ -21,7 +21,9 @@ from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
 
-TIERS = {"kv_offloading_size": 0.02, "disk_kv_size": 0.01}
+# A fixed starting read rate: the planner's call for the tiny model (whose prefill is nearly
+# free) must not hang on this machine's disk latency of the minute.
+TIERS = {"kv_offloading_size": 0.02, "disk_kv_size": 0.01, "disk_kv_read_gbps": 2.0}
 BASE = {"num_device_blocks": 48, "batch_invariant": True}
 FIRST = [10 + (i * 13) % 300 for i in range(100)]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)

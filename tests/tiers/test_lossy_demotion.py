@@ -39,7 +39,8 @@ def serve(tiny: LoadedModel, ids: list[int], **knobs: Any) -> tuple[Any, dict[st
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_lossy_restore_is_tagged_close_and_smaller(dtype: str, tiny: LoadedModel,
                                                    tmp_path: Path) -> None:
-    disk = {"disk_kv_path": str(tmp_path / "kv"), "disk_kv_size": 0.01, "kv_offload_dtype": dtype}
+    disk = {"disk_kv_path": str(tmp_path / "kv"), "disk_kv_size": 0.01, "kv_offload_dtype": dtype,
+            "disk_kv_read_gbps": 2.0}  # a steady planner call for the tiny model
     first, written = serve(tiny, FIRST, **disk)
     assert first.residency == "new" and not first.lossy
     ids = [*FIRST, *first.token_ids, 3, 4, 5]

@@ -21,7 +21,10 @@ from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
 from kvtier.transfer.block_format import BlockHeader, encode_header, pack, unpack
 
-BASE = {"num_device_blocks": 48, "batch_invariant": True, "kv_offloading_size": 0.02}
+# Fixed starting read rates: the planner's call for the tiny model (whose prefill is nearly
+# free) must not hang on this machine's disk or Redis latency of the minute.
+BASE = {"num_device_blocks": 48, "batch_invariant": True, "kv_offloading_size": 0.02,
+        "disk_kv_read_gbps": 2.0, "remote_kv_read_gbps": 1.0}
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
 BLOCK = 16
 
