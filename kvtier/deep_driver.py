@@ -140,6 +140,7 @@ class DeepDriver:
         if self.deep.remote is not None and self.remote is not None:
             r = self.deep.remote.stats
             out["remote"] = {"hits": r.hits, "stores": r.stores, "errors": self.remote.errors,
+                             "lookups_answered_absent": self.remote_errors,
                              "last_error": self.remote.last_error,
                              "url": self.remote.url_for_log}
         return out

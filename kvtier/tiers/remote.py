@@ -63,7 +63,3 @@ class RemoteTier:
     def complete_load(self, loaded: int, failed: int) -> None:
         self._counts.loads += loaded
         self._counts.load_failures += failed
-
-    def collision(self) -> None:
-        """A fetched block's header or tokens named another block: never served."""
-        self._counts.collisions += 1
