@@ -5,6 +5,7 @@ Checks: no errors, every response complete ([DONE] and a finish reason), device 
 pool accounting back to baseline afterwards; reports TTFT p50/p99 per residency class.
 
     python benchmarks/serve_load.py [--model PATH] [--sessions 32] [--turns 3] [--out DIR]
+        [--server-args "--kv-offloading-size 0.05 --disk-kv-path DIR --disk-kv-size 1"]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -115,9 +117,11 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--deadline", type=float, default=900.0, help="the whole run stops by then")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--server-args", default="",
+                    help="more `kvtier serve` flags, appended (later flags win), e.g. a disk tier")
     args = ap.parse_args()
     cmd = ["--num-device-blocks", "160", "--kv-offloading-size", "1.0",
-           "--idle-offload-s", "1.5", "--max-num-seqs", "32"]
+           "--idle-offload-s", "1.5", "--max-num-seqs", "32", *shlex.split(args.server_args)]
     if args.model:
         cmd += ["--model", args.model]
     server, url = start_server(*cmd)

@@ -90,6 +90,7 @@ class DeepOffload:
         self.block_bytes = block_bytes
         self.encoding = encoding  # "" exact, or the lossy encoding of every block below host
         self.jobs: dict[int, _Job] = {}
+        self.held: dict[str, list[BlockKey]] = {}  # request -> fetched keys pinned on host
         self._outbox: list[TierTransfer] = []
         self._refs = itertools.count()
         self._logged: set[str] = set()
@@ -153,8 +154,13 @@ class DeepOffload:
 
     def fetch(self, request_id: str, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
               tiers: Sequence[str], predicted_s: float | None = None) -> bool:
-        """Bring `keys` up into host slots for `request_id`; False (nothing changed) if the
-        host tier cannot make room."""
+        """Bring the leading `keys` up into host slots for `request_id`, as many as the host
+        can make room for (the rest is recomputed); False (nothing changed) if none fit."""
+        n = min(len(keys), self.host.room)
+        keys, tokens, tiers = keys[:n], tokens[:n], tiers[:n]
+        if not keys:
+            self.stats.refused += 1
+            return False
         prepared = self.host.prepare_store(keys, tokens)
         if prepared is None or len(prepared.keys) != len(keys):
             if prepared is not None:
@@ -168,6 +174,13 @@ class DeepOffload:
                                 tuple(tiers), tuple(slots.get(k, -1) for k in keys))
         self._add(_Job(transfer, request_id, predicted_s))
         return True
+
+    def release(self, request_id: str) -> None:
+        """The request was admitted (its load took pins of its own) or went away: its
+        fetched blocks may be evicted again."""
+        keys = self.held.pop(request_id, None)
+        if keys:
+            self.host.release(keys)
 
     def _add(self, job: _Job) -> None:
         self.jobs[job.transfer.ref] = job
@@ -204,6 +217,9 @@ class DeepOffload:
         n = next((i for i, ok in enumerate(outcome.ok) if not ok), len(t.keys))
         if n:
             self.host.complete_store(t.keys[:n], True)
+            assert job.request_id is not None  # pinned until its request is admitted
+            self.host.hold(t.keys[:n])
+            self.held[job.request_id] = list(t.keys[:n])
         if n < len(t.keys):
             self.host.complete_store(t.keys[n:], False)
         disk_keys = [k for k, tier in zip(t.keys, t.tiers) if tier == DISK]

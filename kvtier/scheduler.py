@@ -174,6 +174,7 @@ class Scheduler:
         seq.deep_declined_tokens = 0  # counted once
         if plan.load_keys:
             self._start_load(seq, plan, layerwise)
+        self._release_fetched(seq)
         if plan.swap_state_done and seq.swapped is not None:
             if self.offload is not None:
                 self.offload.forget(seq.swapped.keys)  # pinned (loading) keys are kept
@@ -207,10 +208,17 @@ class Scheduler:
             seq.fetching = True
             self.fetching[seq.request_id] = seq
 
+    def _release_fetched(self, seq: Sequence) -> None:
+        if self.offload is not None and self.offload.deep is not None:
+            self.offload.deep.release(seq.request_id)
+
     def fetch_done(self, done: FetchDone) -> None:
-        """A fetch landed (or failed): the request goes back to the head of the queue."""
+        """A fetch landed (or failed): the request goes back to the head of the queue, its
+        fetched blocks held on host until it is admitted."""
         seq = self.fetching.pop(done.request_id, None)
         if seq is None:  # aborted meanwhile: the fetched blocks just stay cached on host
+            if self.offload is not None and self.offload.deep is not None:
+                self.offload.deep.release(done.request_id)
             return
         seq.fetching = False
         seq.fetched_from = done.source if done.fetched else None
@@ -323,6 +331,7 @@ class Scheduler:
         writing their full blocks down to host first under `write_through`."""
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
+            self._release_fetched(seq)  # aborted after its fetch, before its admission
             if seq in self.running:
                 self.running.remove(seq)
             if seq.request_id in self.loading:

@@ -162,6 +162,30 @@ class SlotTier:
                 dropped += 1
         return dropped
 
+    @property
+    def room(self) -> int:
+        """Slots a store could get now: free ones plus those holding unpinned keys."""
+        return len(self._free) + len(self._entries) - len(self._storing) - len(self._pins)
+
+    def hold(self, keys: Sequence[BlockKey]) -> None:
+        """Pin complete keys against eviction (no load is counted): a fetched block waits
+        for its request's admission this way. Undone by `release`."""
+        bad = [k for k in keys if k not in self._entries or k in self._storing]
+        if bad:
+            raise KeyError(f"hold of keys not present and complete: {bad!r}")
+        for key in keys:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Undo `hold`."""
+        bad = [k for k, n in Counter(keys).items() if self._pins.get(k, 0) < n]
+        if bad:
+            raise KeyError(f"release of keys not held: {bad!r}")
+        for key in keys:
+            self._pins[key] -= 1
+            if self._pins[key] == 0:
+                del self._pins[key]
+
     def tokens_of(self, key: BlockKey) -> tuple[int, ...]:
         """The token ids a present key was stored with."""
         return self._entries[key].tokens
