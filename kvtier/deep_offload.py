@@ -132,6 +132,10 @@ class DeepOffload:
                                     tuple(tuple(t) for t in tokens), tuple(host_slots),
                                     (tier,) * len(keys), tuple(disk_slots))))
 
+    def on_disk(self, key: BlockKey) -> bool:
+        """Whether the disk tier holds `key` complete (a local answer; Redis is not asked)."""
+        return self.disk is not None and self.disk.lookup([key]) == 1
+
     def write_down_host(self) -> int:
         """Every block complete on host that the disk tier lacks goes down (shutdown: so a
         restart finds it); how many blocks were queued."""

@@ -205,23 +205,24 @@ class HostOffload:
         return len(blocks)
 
     def write_back(self, watermark: int) -> None:
-        """`write_back` policy: the next `watermark` blocks the device would evict go down.
-        With it the tiers are exclusive: a block woken from host leaves the host (see finish),
-        so device and host capacity add up instead of the host duplicating the device."""
-        if self.config.kv_write_policy == "write_back":
-            # `allocate` takes uncached free blocks first: only the cached blocks that the
-            # next `watermark` allocations would reach need to be on host already.
-            at_risk = watermark - self.pool.num_free_uncached()
-            if at_risk > 0:
-                self._store_free_blocks(self.pool.cached_free(at_risk), demote=False)
+        """The next `watermark` blocks the device would evict go down if the host lacks them.
+        Under `write_back` this is how blocks reach the host at all (and the tiers are
+        exclusive: a block woken from host leaves it, see finish). Under `write_through` it
+        catches what a full host refused at finish, instead of losing it to eviction."""
+        # `allocate` takes uncached free blocks first: only the cached blocks that the
+        # next `watermark` allocations would reach need to be on host already.
+        at_risk = watermark - self.pool.num_free_uncached()
+        if at_risk > 0:
+            self._store_free_blocks(self.pool.cached_free(at_risk), demote=False)
 
     def _store_free_blocks(self, blocks: list[int], demote: bool) -> None:
         missing_blocks, keys, tokens, on_host = [], [], [], []
         for block in blocks:
             key = self.pool.key[block]
             assert key is not None
-            if self.tier.lookup([key]) == 1:
-                on_host.append(block)
+            if self.tier.lookup([key]) == 1 or (self.deep is not None
+                                                and self.deep.on_disk(key)):
+                on_host.append(block)  # safe below the device already
                 continue
             missing_blocks.append(block)
             keys.append(key)
