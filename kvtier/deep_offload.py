@@ -221,9 +221,12 @@ class DeepOffload:
         n = next((i for i, ok in enumerate(outcome.ok) if not ok), len(t.keys))
         if n:
             self.host.complete_store(t.keys[:n], True)
-            assert job.request_id is not None  # pinned until its request is admitted
-            self.host.hold(t.keys[:n])
-            self.held[job.request_id] = list(t.keys[:n])
+            assert job.request_id is not None
+            # Pinned until its request is admitted, while holds leave half the host to
+            # stores and other fetches (requests waiting on device room must not starve it).
+            if sum(map(len, self.held.values())) + n <= self.host.num_slots // 2:
+                self.host.hold(t.keys[:n])
+                self.held[job.request_id] = list(t.keys[:n])
         if n < len(t.keys):
             self.host.complete_store(t.keys[n:], False)
         disk_keys = [k for k, tier in zip(t.keys, t.tiers) if tier == DISK]

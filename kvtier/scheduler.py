@@ -207,6 +207,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.fetching = True
             self.fetching[seq.request_id] = seq
+        else:  # no host room to stage it: that state is computed again
+            seq.deep_declined_tokens = len(plan.fetch_keys) * self.block_size
 
     def _release_fetched(self, seq: Sequence) -> None:
         if self.offload is not None and self.offload.deep is not None:
