@@ -125,22 +125,12 @@ class SlotTier:
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
         """Slots of complete keys, one pin each (a key may be loaded by two requests at once)."""
-        bad = [k for k in keys if k not in self._entries or k in self._storing]
-        if bad:
-            raise KeyError(f"prepare_load of keys not present and complete: {bad!r}; lookup first")
-        for key in keys:
-            self._pins[key] = self._pins.get(key, 0) + 1
+        self._pin(keys, "prepare_load of keys not present and complete", "; lookup first")
         return [self._entries[key].slot for key in keys]
 
     def complete_load(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         """One pin off each key; a failed load leaves the stored bytes as they were."""
-        bad = [k for k, n in Counter(keys).items() if self._pins.get(k, 0) < n]
-        if bad:
-            raise KeyError(f"complete_load of keys with no load pin left: {bad!r}")
-        for key in keys:
-            self._pins[key] -= 1
-            if self._pins[key] == 0:
-                del self._pins[key]
+        self._unpin(keys, "complete_load of keys with no load pin left")
         if success:
             self._counts.loads += len(keys)
         else:
@@ -170,17 +160,25 @@ class SlotTier:
     def hold(self, keys: Sequence[BlockKey]) -> None:
         """Pin complete keys against eviction (no load is counted): a fetched block waits
         for its request's admission this way. Undone by `release`."""
-        bad = [k for k in keys if k not in self._entries or k in self._storing]
-        if bad:
-            raise KeyError(f"hold of keys not present and complete: {bad!r}")
-        for key in keys:
-            self._pins[key] = self._pins.get(key, 0) + 1
+        self._pin(keys, "hold of keys not present and complete")
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Undo `hold`."""
+        self._unpin(keys, "release of keys not held")
+
+    def _pin(self, keys: Sequence[BlockKey], refusal: str, hint: str = "") -> None:
+        """One pin more on each complete key (KeyError, nothing pinned, if any is not)."""
+        bad = [k for k in keys if k not in self._entries or k in self._storing]
+        if bad:
+            raise KeyError(f"{refusal}: {bad!r}{hint}")
+        for key in keys:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, keys: Sequence[BlockKey], refusal: str) -> None:
+        """One pin off each key (KeyError, nothing unpinned, if any has too few)."""
         bad = [k for k, n in Counter(keys).items() if self._pins.get(k, 0) < n]
         if bad:
-            raise KeyError(f"release of keys not held: {bad!r}")
+            raise KeyError(f"{refusal}: {bad!r}")
         for key in keys:
             self._pins[key] -= 1
             if self._pins[key] == 0:
