@@ -59,7 +59,6 @@ class FetchDone:
     request_id: str
     fetched: int  # leading blocks now complete on host
     source: str | None  # the deepest tier a fetched block came from
-    lossy: bool = False  # the fetched blocks were stored 8-bit (kv_offload_dtype)
     missed: int = 0  # blocks asked for that did not come up (failed, or after a failure)
 
 
@@ -247,8 +246,7 @@ class DeepOffload:
         if source is not None:
             self.stats.fetched_bytes[source] += outcome.nbytes  # as stored: encoded if lossy
         assert job.request_id is not None
-        return FetchDone(job.request_id, n, source, lossy=bool(n and self.encoding),
-                         missed=len(t.keys) - n)
+        return FetchDone(job.request_id, n, source, missed=len(t.keys) - n)
 
     def _miss(self, tier: str, reason: str, kind: str) -> None:
         if reason == "skipped":  # after an earlier failure in the same prefix: not its fault

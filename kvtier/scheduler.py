@@ -224,7 +224,6 @@ class Scheduler:
             return
         seq.fetching = False
         seq.fetched_from = done.source if done.fetched else None
-        seq.lossy = done.lossy
         seq.deep_declined_tokens = done.missed * self.block_size
         self.waiting.appendleft(seq)
 

@@ -178,11 +178,7 @@ def decode(payload: bytes | memoryview, out: torch.Tensor, encoding: str) -> Non
         raise ValueError(f"{encoding} payload has a scale outside (0, {max_scale:.4g}] "
                          f"(min {lo:.4g}, max {hi:.4g}); encode never writes one")
     codes = raw[_SCALE_NBYTES * nscales:].view(torch.int8).view(out.shape)
-    scale = scales.view(layers, 1, kv, heads, 1)
-    if encoding == "int8":
-        torch.mul(codes, scale, out=out)  # computed in float32, rounded once into out
-    else:
-        torch.mul(_e4m3_as_float16(codes), scale * 2.0**8, out=out)
+    _dequantize(codes, scales.view(layers, 1, kv, heads, 1), out, encoding)
     fmax = torch.finfo(out.dtype).max
     if hi * _DECODE_MAX[encoding] > fmax:
         # A slab at the edge of float32's range, or a wider block decoded into float16:
@@ -204,7 +200,12 @@ def decode_layer(row: torch.Tensor, out: torch.Tensor, layer: int, num_layers: i
     scales = flat[: _SCALE_NBYTES * nscales].view(torch.float32).view(num_layers, kv, heads)
     start = _SCALE_NBYTES * nscales + layer * per_layer
     codes = flat[start : start + per_layer].view(torch.int8).view(out.shape)
-    scale = scales[layer].view(1, kv, heads, 1)
+    _dequantize(codes, scales[layer].view(1, kv, heads, 1), out, encoding)
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                encoding: str) -> None:
+    """out = codes * scale, computed in float32 and rounded once into out's dtype."""
     if encoding == "int8":
         torch.mul(codes, scale, out=out)
     else:

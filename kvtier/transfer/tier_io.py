@@ -205,13 +205,9 @@ class TierIO:
                 reasons[i] = reason
                 break  # a prefix cannot skip a block: the rest is recomputed anyway
             ok[i], reasons[i] = True, ""
-            nbytes += self._stored_nbytes(row)
+            nbytes += self.host.slot_bytes  # as stored: a host row, 8-bit where it is
         return ok, reasons, nbytes
 
-    @staticmethod
-    def _stored_nbytes(row: torch.Tensor) -> int:
-        """Bytes a block occupies below host: its host row's (encoded where the pool is)."""
-        return row.numel() * row.element_size()
 
     def _read_disk(self, key: bytes, tokens: Sequence[int], slot: int, row: torch.Tensor
                    ) -> str | None:
@@ -245,7 +241,7 @@ class TierIO:
         if not keys:
             return {}
         assert self.remote is not None
-        size = self._stored_nbytes(self.host.tensor[0])
+        size = self.host.slot_bytes
         blobs: dict[bytes, bytes | None] = {}
         for lo, hi in _batches([size] * len(keys)):
             try:
