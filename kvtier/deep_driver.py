@@ -115,13 +115,12 @@ class DeepDriver:
         while self.busy:
             self.wait_any()
 
-    def flush(self) -> int:
+    def flush(self) -> None:
         """Write every host block the disk lacks down and fsync: what a restart will find."""
-        queued = self.deep.write_down_host()
+        self.deep.write_down_host()
         self.drain()
         if self.disk is not None:
             self.disk.flush()
-        return queued
 
     def stats(self) -> dict[str, Any]:
         s = self.deep.stats

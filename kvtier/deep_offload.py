@@ -28,6 +28,7 @@ from kvtier.tiers.remote import RemoteTier
 log = logging.getLogger(__name__)
 
 DISK, REMOTE = "disk", "remote"
+SKIPPED = "skipped"  # the I/O thread's reason for a block after a failed one: not its fault
 
 
 @dataclass(frozen=True)
@@ -135,14 +136,12 @@ class DeepOffload:
         """Whether the disk tier holds `key` complete (a local answer; Redis is not asked)."""
         return self.disk is not None and self.disk.lookup([key]) == 1
 
-    def write_down_host(self) -> int:
+    def write_down_host(self) -> None:
         """Every block complete on host that the disk tier lacks goes down (shutdown: so a
-        restart finds it); how many blocks were queued."""
+        restart finds it)."""
         if self.disk is None:
-            return 0
-        keys = [k for k in self.host.complete_keys() if self.disk.lookup([k]) == 0]
-        self.host_stored(keys)
-        return len(keys)
+            return
+        self.host_stored([k for k in self.host.complete_keys() if self.disk.lookup([k]) == 0])
 
     # -- up -----------------------------------------------------------------------------
 
@@ -233,12 +232,12 @@ class DeepOffload:
             assert self.disk is not None
             self.disk.complete_load(disk_keys, success=not bad)
             dropped = [k for k, tier, r in zip(t.keys, t.tiers, outcome.reasons)
-                       if tier == DISK and r and r != "skipped"]
+                       if tier == DISK and r and r != SKIPPED]
             self.disk.remove(dropped)  # failed verification or I/O: never a hit again
         if self.remote is not None:
             remote_n = sum(1 for tier in t.tiers[:n] if tier == REMOTE)
             remote_bad = sum(1 for tier, r in zip(t.tiers, outcome.reasons)
-                             if tier == REMOTE and r and r != "skipped")
+                             if tier == REMOTE and r and r != SKIPPED)
             self.remote.complete_load(remote_n, remote_bad)
         for tier in t.tiers[:n]:
             self.stats.fetched[tier] += 1
@@ -249,7 +248,7 @@ class DeepOffload:
         return FetchDone(job.request_id, n, source, missed=len(t.keys) - n)
 
     def _miss(self, tier: str, reason: str, kind: str) -> None:
-        if reason == "skipped":  # after an earlier failure in the same prefix: not its fault
+        if reason == SKIPPED:
             return
         label = f"{tier}:{reason}"
         self.stats.misses[label] += 1
