@@ -16,6 +16,7 @@ run: $(STAMP)
 test: $(STAMP)
 	bash scripts/redis.sh ensure
 	$(BIN)/ruff check kvtier tests benchmarks
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.sequence import SamplingParams
 
@@ -43,7 +43,7 @@ def wake_capacity(loaded: LoadedModel, k: int, session_tokens: int, bs: int) -> 
         kv_offloading_size=host_slots * block_bytes / 2**30 + 1e-9,
         kv_write_policy="write_back", max_num_batched_tokens=session_tokens + FOLLOW_UP,
     ), loaded=loaded)
-    assert engine.tier is not None and engine.tier.host.num_slots == host_slots
+    assert engine.tier.enabled and engine.tier.worker.host.num_slots == host_slots
     rng = random.Random(0)
     vocab = loaded.spec.vocab_size
     sessions = [[rng.randrange(100, vocab) for _ in range(session_tokens)]
@@ -75,7 +75,7 @@ def decode_under_offload(loaded: LoadedModel, batch: int, steps: int,
         model=loaded.source, num_device_blocks=1400, kv_offloading_size=1.2,
         kv_write_policy="write_back", max_num_batched_tokens=4096,
         max_store_gbps=store_gbps), loaded=loaded)
-    assert engine.tier is not None
+    assert engine.tier.enabled
     rng = random.Random(1)
     vocab = loaded.spec.vocab_size
     for _ in range(4):  # idle sessions whose ~1,000 cached blocks will be offloaded
@@ -89,7 +89,7 @@ def decode_under_offload(loaded: LoadedModel, batch: int, steps: int,
     def timed(n: int, require_busy: bool) -> list[float]:
         out = []
         while len(out) < n:
-            if require_busy and not engine.tier.busy:  # type: ignore[union-attr]
+            if require_busy and not engine.tier.busy:
                 break
             t = time.perf_counter()
             engine.step()
@@ -97,11 +97,11 @@ def decode_under_offload(loaded: LoadedModel, batch: int, steps: int,
         return out
 
     quiet = timed(steps, require_busy=False)
-    engine.tier.offload.demote_all()
-    engine.tier.submit(engine.tier.offload.take_jobs())
+    engine.tier.demote_all()
+    engine.tier.submit()
     busy = timed(steps, require_busy=True)
     quiet_after = timed(steps, require_busy=False)
-    stats = engine.tier.transfer.stats()
+    stats = engine.tier.worker.link_stats()
     engine.close()
     base = statistics.median(quiet + quiet_after)
     loaded_step = statistics.median(busy) if busy else float("nan")

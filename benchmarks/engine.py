@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_peak_gbps, write_result
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel, default_model_path, load_model
 from kvtier.sequence import SamplingParams
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
@@ -53,8 +53,7 @@ def serve(loaded: LoadedModel, prompt: list[int], params: SamplingParams, **knob
     try:
         rid = engine.add_request(prompt, params)
         out = engine.run_to_completion([rid])[rid]
-        if engine.tier is not None:
-            engine.tier.drain()
+        engine.drain()
         return out, engine_stats(engine, RequestLog())["tiers_below_host"] or {}
     finally:
         engine.close()
@@ -68,13 +67,13 @@ def host_wake(loaded: LoadedModel, session: list[int], follow: list[int],
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         engine.run_to_completion([engine.add_request(session, params)])
-        assert engine.tier is not None
-        engine.tier.drain()
+        assert engine.tier.enabled
+        engine.drain()
         engine.demote_cached()
         rid = engine.add_request(follow, params)
         out = engine.run_to_completion([rid])[rid]
         assert out.residency == "host", out.residency
-        return out.metrics.ttft_s or 0.0, int(engine.tier.host.num_slots / 0.5)
+        return out.metrics.ttft_s or 0.0, int(engine.tier.worker.host.num_slots / 0.5)
     finally:
         engine.close()
 

@@ -60,15 +60,15 @@ from common import copy_peak_gbps, write_result
 from disk_layout import drop_cache, resident_fraction
 
 from kvtier.config import EngineConfig
-from kvtier.deep_driver import measure_disk_gbps, measure_remote_gbps
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
-from kvtier.planner import Decision, Planner
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
-from kvtier.transfer.disk_store import FILE_NAME
-from kvtier.transfer.redis_store import RedisStore
+from kvtier.tier.planner import Decision, Planner
+from kvtier.tier.worker.disk_store import FILE_NAME
+from kvtier.tier.worker.probes import measure_disk_gbps, measure_remote_gbps
+from kvtier.tier.worker.redis_store import RedisStore
 
 GIB = 1024**3
 BLOCK = 16
@@ -255,8 +255,7 @@ class Bench:
         engine = LLMEngine(EngineConfig.from_knobs(**self.base, **knobs), loaded=self.loaded)
         self.block_bytes = engine.runner.block_bytes
         ask(engine, tokens(self.rng, WARMUP_TOKENS, self.vocab), self.params)  # warm-up
-        if engine.tier is not None:
-            engine.tier.drain()
+        engine.drain()
         return engine
 
     def finish(self, engine: LLMEngine) -> dict[str, Any] | None:
@@ -267,9 +266,9 @@ class Bench:
 
     @staticmethod
     def deep_stats(engine: LLMEngine) -> dict[str, Any] | None:
-        if engine.tier is None:
+        if not engine.tier.enabled:
             return None
-        engine.tier.drain()
+        engine.drain()
         return engine_stats(engine, RequestLog())["tiers_below_host"]
 
     def sizes(self, length: int) -> tuple[float, float]:
@@ -303,10 +302,10 @@ class Bench:
         sessions = [tokens(rng, length, vocab) for _ in range(repeats)]
         for session in sessions:
             ask(a, session, self.params)
-            assert a.tier is not None
-            a.tier.drain()  # a user thinks for seconds: the write-through has landed
+            assert a.tier.enabled
+            a.drain()  # a user thinks for seconds: the write-through has landed
             a.demote_cached()  # the session went idle: its KV is on host only
-            planner = a.tier.offload.planner
+            planner = a.tier.manager.planner
             decision = planner.decide(length, nbytes)
             link = planner.calibration.link_gbps
             out, cores = measured(a, session + tokens(rng, FOLLOW_UP, vocab), self.params)
@@ -354,8 +353,8 @@ class Bench:
     def wake_deep(self, engine: LLMEngine, tier: str, sessions: list[list[int]], nbytes: int,
                   slot_file: Path | None) -> list[Sample]:
         """A follow-up of every session on an engine that holds them only in `tier`."""
-        assert engine.tier is not None
-        planner = engine.tier.offload.planner
+        assert engine.tier.enabled
+        planner = engine.tier.manager.planner
         fetches = FetchLog(planner)
         out_samples = []
         for session in sessions:

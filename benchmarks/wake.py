@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_peak_gbps, write_result
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
@@ -45,8 +45,7 @@ def measure(engine: LLMEngine, length: int, repeats: int, rng: random.Random, vo
     for _ in range(repeats):
         session = tokens(rng, length, vocab)
         ask(engine, session)  # the session's first turn: its KV is cached (and written down)
-        if engine.tier is not None:
-            engine.tier.drain()  # a user thinks for seconds: the write-through has landed
+        engine.drain()  # a user thinks for seconds: the write-through has landed
         follow = session + tokens(rng, FOLLOW_UP, vocab)
         if mode == "host":
             engine.demote_cached()  # the session went idle: its KV is on host only
@@ -91,7 +90,7 @@ def main() -> int:
         woken = {m: measure(engines[m], length, args.repeats, rng, vocab, "host")
                  for m in engines}
         copy_samples.append(copy_peak_gbps())
-        planner = e.tier.offload.planner
+        planner = e.tier.manager.planner
         nbytes = woken["async"][0].restore_bytes
         # The same bytes copied once by a bare tensor copy, right beside the restores: the
         # ceiling for this transfer size on this machine at this minute.

@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine, PromptType
+from kvtier.engine.llm_engine import LLMEngine, PromptType
 from kvtier.errors import RequestError
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams

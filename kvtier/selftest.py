@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from kvtier.cache.block import BlockKey
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.model.runner import resolve_device
 from kvtier.sequence import SamplingParams
+from kvtier.tier import BlockKey
 
 
 @dataclass

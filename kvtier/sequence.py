@@ -116,12 +116,8 @@ class Sequence:
     num_recomputed_tokens: int = 0
     restore_bytes: int = 0
     restore_s: float = 0.0
-    loading: int | None = None  # ref of the host->device load this sequence waits for
+    loading: int | None = None  # tier job id of the host->device load this sequence waits for
     swapped: SwapState | None = None
-    fetching: bool = False  # waiting for blocks to come up from disk/remote to host
-    fetched_from: str | None = None  # "disk" or "remote" once a fetch brought blocks to host
-    deep_checked: bool = False  # tiers below host were consulted once: never fetch twice
-    deep_declined_tokens: int = 0  # found below host but declined, or lost on the way up
     lossy: bool = False  # restored from 8-bit blocks (kv_offload_dtype): not bit-exact
 
     @property

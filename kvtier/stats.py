@@ -75,26 +75,52 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
                         "recompute": sched.stats.num_recompute_preemptions},
     }
     tier = engine.tier
-    if tier is None:
+    if not tier.enabled:
         report["host_tier"] = report["tiers_below_host"] = None
         return report
-    t = tier.transfer.stats()
-    ts = tier.offload.tier.stats
-    os_ = tier.offload.stats
+    manager, worker = tier.manager, tier.worker
+    t = worker.link_stats()
+    ts = manager.host.stats
+    ms = manager.stats
     report["host_tier"] = {
         "slots": {"used": ts.used, "capacity": ts.capacity, "pinned": ts.pinned},
         "occupancy": ts.used / ts.capacity if ts.capacity else 0.0,
-        "memory": tier.host.stats(),
+        "memory": worker.host.stats(),
         "link": {d: {"bytes": s.bytes, "busy_s": s.busy_s, "utilisation": s.utilisation,
                      "gbps": s.gbps, "jobs": s.jobs, "failures": s.failures}
                  for d, s in (("store", t.store), ("load", t.load))},
-        "stored_blocks": os_.stored_blocks, "loaded_blocks": os_.loaded_blocks,
-        "demoted_blocks": os_.demoted_blocks, "failed_transfers": os_.failed_stores
-        + os_.failed_loads, "failed_loads": os_.failed_loads,
-        "failed_stores": os_.failed_stores, "store_refused": os_.store_refused,
-        "tier_hits": ts.hits, "tier_evictions": ts.evictions,
-        "planner": {"calibration": vars(tier.offload.planner.calibration),
-                    "error": tier.offload.planner.error_report()},
+        "stored_blocks": ms.stored_blocks, "loaded_blocks": ms.loaded_blocks,
+        "demoted_blocks": tier.demoted_blocks,
+        "failed_transfers": ms.failed_stores + ms.failed_loads,
+        "failed_loads": ms.failed_loads, "failed_stores": ms.failed_stores,
+        "store_refused": ms.store_refused, "tier_hits": ts.hits, "tier_evictions": ts.evictions,
+        "planner": {"calibration": vars(manager.planner.calibration),
+                    "error": manager.planner.error_report()},
     }
-    report["tiers_below_host"] = tier.deep.stats() if tier.deep is not None else None
+    report["tiers_below_host"] = below_host_stats(manager, worker.store_stats())
     return report
+
+
+def below_host_stats(manager: Any, stores: dict[str, Any]) -> dict[str, Any] | None:
+    """The disk and remote tiers' traffic, misses by reason, occupancy and read rates."""
+    below = manager.below
+    if below is None:
+        return None
+    s = below.stats
+    out: dict[str, Any] = {
+        "written_blocks": dict(s.written), "written_bytes": dict(s.written_bytes),
+        "write_failures": dict(s.write_failures), "encoding": below.encoding or None,
+        "fetched_blocks": dict(s.fetched), "fetched_bytes": dict(s.fetched_bytes),
+        "misses": dict(s.misses), "refused": s.refused,
+        "tier_gbps": dict(manager.planner.calibration.tier_gbps),
+    }
+    if below.disk is not None:
+        d = below.disk.stats
+        out["disk"] = {"used_slots": d.used, "capacity_slots": d.capacity, "hits": d.hits,
+                       "evictions": d.evictions, **stores.get("disk", {})}
+    if below.remote is not None:
+        r = below.remote.stats
+        out["remote"] = {"hits": r.hits, "stores": r.stores,
+                         "lookups_answered_absent": below.remote.presence.errors,
+                         **stores.get("remote", {})}
+    return out

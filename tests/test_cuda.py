@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.attention import build_metadata, paged_attention
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
@@ -79,7 +79,7 @@ def test_host_tier_on_cuda_wakes_sessions_with_identical_tokens(smollm2: LoadedM
         e = LLMEngine(EngineConfig.from_knobs(device="cuda", dtype="float32",
                                               num_device_blocks=128, kv_offloading_size=0.5,
                                               load_mode=load_mode), loaded=smollm2)
-        assert e.tier is not None and e.tier.host.pinned
+        assert e.tier.enabled and e.tier.worker.host.pinned
         first = e.add_request(prompt, params)
         e.run_to_completion([first])
         assert e.demote_cached() > 0

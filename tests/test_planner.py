@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.planner import Calibration, Planner
+from kvtier.tier.planner import Calibration, Planner
 
 
 def seed_planner() -> Planner:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.selftest import run_selftest
@@ -26,8 +26,8 @@ def test_selftest_reports_corruption_with_a_diff(tiny: LoadedModel,
 
     def corrupting(self: LLMEngine) -> int:
         n = original(self)
-        if self.tier is not None:
-            self.tier.host.tensor.add_(1.0)
+        if self.tier.enabled:
+            self.tier.worker.host.tensor.add_(1.0)
         return n
 
     monkeypatch.setattr(LLMEngine, "demote_cached", corrupting)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
@@ -48,14 +48,14 @@ class _LinkSampler:
 
     def sample(self, t: float, out: list[dict[str, float]]) -> None:
         tier = self.engine.tier
-        if tier is None or t - self.last_t < SAMPLE_S:
+        if not tier.enabled or t - self.last_t < SAMPLE_S:
             return
-        s = tier.transfer.stats()
+        s = tier.worker.link_stats()
         busy = (s.store.busy_s, s.load.busy_s)
         dt = t - self.last_t
         out.append({"t": t, "store_util": (busy[0] - self.last[0]) / dt,
                     "load_util": (busy[1] - self.last[1]) / dt})
-        self.host_peak = max(self.host_peak, tier.offload.tier.stats.used)
+        self.host_peak = max(self.host_peak, tier.manager.host.stats.used)
         self.last_t, self.last = t, busy
 
 

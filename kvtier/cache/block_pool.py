@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.cache.block import BlockKey
+from kvtier.tier import BlockKey
 
 
 @dataclass

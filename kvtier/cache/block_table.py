@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.cache.block import BlockKey, Residency
+from kvtier.cache.block import Residency
+from kvtier.tier import BlockKey
 
 
 @dataclass

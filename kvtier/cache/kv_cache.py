@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.cache.block import BlockKey, hash_blocks
 from kvtier.cache.block_pool import BlockPool
 from kvtier.cache.block_table import BlockTable
+from kvtier.tier import BlockKey, hash_blocks
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`kvtier plan`: the restore-vs-recompute arithmetic on real hardware, before buying it.
 
 `models` (shapes, KV bytes per token), `hardware` (presets, this-machine), `analysis`
-(per context: restore vs recompute through `kvtier.planner.Planner`, sessions per node,
+(per context: restore vs recompute through `kvtier.tier.planner.Planner`, sessions per node,
 pinned memory), `simulate` (a discrete-event replay of a multi-turn trace), `cli`.
 """
 

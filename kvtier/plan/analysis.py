@@ -2,7 +2,7 @@
 
 Primitives: `analyze(model, hardware, kv_dtype, contexts) -> PlanResult`; underneath,
 `pick_tensor_parallel`, `calibration_for` and `planner_for` turn a model and a machine into
-the `kvtier.planner.Planner` the scheduler uses online, so plan and engine cannot disagree.
+the `kvtier.tier.planner.Planner` the scheduler uses online, so plan and engine cannot disagree.
 
     restore_s   = session_bytes / (tp * link) + overhead + one-token forward (weights / HBM BW)
     recompute_s = (2 * params * T + 2 * layers * hidden * T**2) / (tp * flops * mfu)
@@ -20,8 +20,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.plan.hardware import GIB, Hardware
 from kvtier.plan.models import ModelShape
-from kvtier.planner import Calibration, Choice, Planner
-from kvtier.transfer.host_memory import SAFE_RAM_SHARE
+from kvtier.tier import SAFE_RAM_SHARE, Calibration, Choice, Planner
 
 # HBM kept out of the KV budget for activations, CUDA context, graphs and workspace: the 10%
 # vLLM's default gpu_memory_utilization=0.9 leaves, which is also what large prefills need.

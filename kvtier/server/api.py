@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvtier.engine import PromptType
+from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import KvtierError, RequestError
 from kvtier.metrics import Metrics
 from kvtier.output import RequestOutput, StreamDelta

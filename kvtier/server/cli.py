@@ -47,7 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvtier.config import EngineConfig
-    from kvtier.engine import LLMEngine
+    from kvtier.engine.llm_engine import LLMEngine
     from kvtier.metrics import Metrics
     from kvtier.server.api import build_app
     from kvtier.server.engine_loop import EngineLoop

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.engine import LLMEngine, PromptType
+from kvtier.engine.llm_engine import LLMEngine, PromptType
 from kvtier.errors import KvtierError
 from kvtier.output import RequestOutput, StreamDelta
 from kvtier.sequence import SamplingParams

@@ -1,8 +1,8 @@
 """The device block pool: references, LRU reuse of freed blocks, the prefix index."""
 
-from kvtier.cache.block import hash_block, hash_blocks
 from kvtier.cache.block_pool import BlockPool
-from kvtier.cache.fingerprint import Fingerprint
+from kvtier.tier.fingerprint import Fingerprint
+from kvtier.tier.keys import hash_block, hash_blocks
 
 NS = b"\x00" * 16
 

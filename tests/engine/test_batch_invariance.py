@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams

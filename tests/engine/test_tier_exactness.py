@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
@@ -78,7 +78,7 @@ def test_any_interleaving_matches_an_unlimited_pool(
     finally:
         e.close()
     if sum(1 for a, _ in actions if a in ("turn", "burst")) >= 4:
-        assert restored > 0 or e.tier.offload.stats.stored_blocks > 0
+        assert restored > 0 or e.tier.manager.stats.stored_blocks > 0
 
 
 def test_many_wakes_while_others_decode(tiny: LoadedModel) -> None:

@@ -9,12 +9,12 @@ import time
 import pytest
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
-from kvtier.transfer.spec import Direction
+from kvtier.tier.worker.spec import Direction
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 HOST = 0.02  # GiB: 2,500 tiny-model blocks
@@ -67,7 +67,7 @@ def test_sessions_evicted_from_the_device_wake_from_host_exactly(tiny: LoadedMod
     assert len(woken) >= 8 and all(o.num_restored_tokens > 0 for o in woken)
     assert all(o.restore_bytes == o.num_restored_tokens // 16 * e.runner.block_bytes
                for o in woken)
-    stats = e.tier.offload.stats
+    stats = e.tier.manager.stats
     assert stats.loaded_blocks > 0 and stats.failed_loads == 0
     e.close()
 
@@ -111,9 +111,9 @@ def test_failed_loads_become_recomputes_and_are_counted(tiny: LoadedModel) -> No
     # every host->device load fails (injected): answers are still exact, each failure is
     # counted, and no failed load is reported as a restore
     e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST)
-    e.tier.transfer.fault = lambda spec, step: spec.direction is Direction.LOAD
+    e.tier.worker.link.fault = lambda spec, step: spec.direction is Direction.LOAD
     outs = multi_turn(tiny, e, 2, conversations(4, seed=4))
-    assert e.tier.offload.stats.failed_loads > 0
+    assert e.tier.manager.stats.failed_loads > 0
     assert all(o.num_restored_tokens == 0 and o.restore_bytes == 0 for o in outs)
     assert any(o.residency == "recomputed" and o.num_recomputed_tokens > 0 for o in outs)
     e.close()
@@ -121,9 +121,9 @@ def test_failed_loads_become_recomputes_and_are_counted(tiny: LoadedModel) -> No
 
 def test_failed_layerwise_loads_discard_the_step_and_recompute(tiny: LoadedModel) -> None:
     e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, load_mode="layerwise")
-    e.tier.transfer.fault = lambda spec, step: spec.direction is Direction.LOAD and step == 1
+    e.tier.worker.link.fault = lambda spec, step: spec.direction is Direction.LOAD and step == 1
     multi_turn(tiny, e, 2, conversations(4, seed=5))
-    assert e.tier.offload.stats.failed_loads > 0
+    assert e.tier.manager.stats.failed_loads > 0
     e.close()
 
 
@@ -131,7 +131,7 @@ def test_idle_sessions_are_demoted_without_pressure(tiny: LoadedModel) -> None:
     # a roomy device pool never evicts; idle_offload_s demotes what sat unused for 20 ms
     e = engine(tiny, num_device_blocks=256, kv_offloading_size=HOST, idle_offload_s=0.02)
     outs = multi_turn(tiny, e, 2, conversations(3, seed=6), between=0.05)
-    assert e.tier.offload.stats.demoted_blocks > 0
+    assert e.tier.demoted_blocks > 0
     assert [o.residency for o in outs[3:]] == ["host"] * 3
     e.close()
 

@@ -6,12 +6,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from kvtier.config import EngineConfig
-from kvtier.engine import LLMEngine
+from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.scheduler import ScheduledSeq
 from kvtier.model.hf import spec_from_config
 from kvtier.model.loader import LoadedModel
 from kvtier.model.presets import byte_tokenizer
 from kvtier.model.runner import ModelRunner
-from kvtier.scheduler import ScheduledSeq
 from kvtier.sequence import SamplingParams, Sequence
 
 RTOL = 1e-4

@@ -9,7 +9,7 @@ from kvtier.errors import ConfigError
 from kvtier.plan.analysis import analyze, planner_for
 from kvtier.plan.hardware import GIB, HARDWARE, Hardware, meminfo_gib, resolve_hardware
 from kvtier.plan.models import MODELS, ModelShape, resolve_model
-from kvtier.planner import Calibration, Planner
+from kvtier.tier.planner import Calibration, Planner
 
 A100 = HARDWARE["a100-80g-pcie-gen4"]
 H100 = HARDWARE["h100-sxm"]

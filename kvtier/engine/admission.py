@@ -1,0 +1,76 @@
+"""Where an admitted sequence's KV will come from: device prefix, the tier, or compute.
+
+`plan_admission` finds the device prefix, then asks the tier (`match`) to continue the
+chain in host memory and below, with the planner's verdict per sequence. Where the prefix
+goes on below host (disk, remote), the plan is a fetch up to host first; the request is
+planned again once the fetch lands. None: the tier's answer is pending (ask next step).
+Pure bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.cache.kv_cache import CachedPrefix, KVCacheManager
+from kvtier.sequence import Sequence
+from kvtier.tier import NO_MATCH, BlockKey, Match, is_swap_key
+
+if TYPE_CHECKING:
+    from kvtier.engine.tier_client import NullTier, TierClient
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    prefix: CachedPrefix  # device blocks to share
+    start: int  # tokens with KV once any load lands; compute starts here
+    match: Match = NO_MATCH  # what the tier has beyond the device prefix
+    declined_tokens: int = 0  # found below the device, but computed again
+    swap_state_done: bool = False  # the swapped state is consumed (loaded, or given up)
+
+    @property
+    def load_keys(self) -> tuple[BlockKey, ...]:
+        return self.match.load_keys
+
+    @property
+    def restored_tokens(self) -> int:
+        return self.match.restored_tokens
+
+    @property
+    def content_keys(self) -> list[BlockKey]:
+        """Loaded keys that name full blocks (a swapped partial block is not shareable)."""
+        return [k for k in self.load_keys if not is_swap_key(k)]
+
+    @property
+    def residency(self) -> str:
+        source = self.match.residency
+        if source is not None:
+            return source.value
+        if self.prefix.num_tokens:
+            return "resident"
+        return "recomputed" if self.declined_tokens else "new"
+
+
+def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,
+                   tier: TierClient | NullTier, block_size: int) -> AdmissionPlan | None:
+    prefix = kv.find_cached_prefix(namespace, seq.token_ids)
+    d = len(prefix.block_ids)
+    swapped = seq.swapped
+    if swapped is not None:
+        keys, tokens = swapped.keys[d:], swapped.tokens[d:]
+    else:
+        keys, tokens = prefix.keys[d:], prefix.chunks[d:]
+    match = tier.match(seq.request_id, keys, tokens, preempted=swapped is not None)
+    if match is None:
+        return None
+    done = swapped is not None
+    if match.fetch_keys:
+        return AdmissionPlan(prefix, prefix.num_tokens, match)
+    if match.load_keys:
+        return AdmissionPlan(prefix, prefix.num_tokens + match.restored_tokens, match,
+                             match.declined_tokens, swap_state_done=done)
+    lost = max(0, swapped.num_computed - prefix.num_tokens) if swapped is not None else 0
+    return AdmissionPlan(prefix, prefix.num_tokens, match, lost + match.declined_tokens,
+                         swap_state_done=done)
+
+

@@ -1,0 +1,241 @@
+"""LLMEngine: one `step()` = reap transfers -> schedule -> submit transfers -> run -> postprocess.
+
+Requests enter with `add_request`, leave as `RequestOutput`s from `step()` when finished.
+With `kv_offloading_size > 0` the tier sits under the device pool (`TierClient`); without,
+a `NullTier` answers every question, so the loop reads the same either way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import time
+import weakref
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from kvtier.cache.block_pool import BlockPool
+from kvtier.config import EngineConfig
+from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.tier_client import NullTier, TierClient
+from kvtier.errors import RequestError
+from kvtier.model.loader import LoadedModel, load_model
+from kvtier.model.runner import ModelRunner
+from kvtier.model.sampler import SampleResult
+from kvtier.output import RequestOutput, StopChecker, StreamDelta
+from kvtier.sequence import SamplingParams, Sequence
+from kvtier.tier import BlockKey, Fingerprint
+
+PromptType = str | list[int] | dict[str, Any]
+log = logging.getLogger(__name__)
+
+
+def _close_at_exit(engine: LLMEngine) -> None:
+    """Close `engine` at interpreter exit if it is still alive then (a weak reference: the
+    hook never keeps an engine, its weights and its pools alive)."""
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        loaded = loaded if loaded is not None else load_model(config.model)
+        self.model_source = loaded.source
+        self.spec = loaded.spec
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, config)
+        bs = config.cache.block_size
+        self.fingerprint = Fingerprint(
+            weights_digest=loaded.weights_digest,
+            architecture=loaded.spec.describe(),
+            kv_dtype=str(self.runner.dtype).removeprefix("torch."),
+            block_size=bs,
+            tokenizer_digest=self.tokenizer.digest(),
+            attention_backend=f"torch-sdpa-{self.runner.device.type}"
+            + ("-invariant" if config.batch_invariant else ""),
+            kv_offload_encoding=config.offload.kv_offload_dtype or "",
+        )
+        self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)
+        context = config.scheduler.max_model_len or loaded.spec.max_position_embeddings
+        self.max_model_len = min(context, self.runner.num_blocks * bs)
+        self.tier: TierClient | NullTier = TierClient.build(
+            config, self.runner, self.pool, self.fingerprint.namespace())
+        self.scheduler = Scheduler(config.scheduler, self.pool, bs, self.tier,
+                                   max_model_len=self.max_model_len)
+        self._closed = False
+        if self.tier.below_host:  # interpreter exit is a clean shutdown too
+            _close_at_exit(self)
+        self.stops = StopChecker(self.tokenizer, self.max_model_len)
+        self._namespaces: dict[str, BlockKey] = {}
+        self._ids = itertools.count()
+        self.finished_outputs: list[RequestOutput] = []
+        self._streaming: set[str] = set()
+        self.stream_deltas: list[StreamDelta] = []
+
+    def namespace(self, salt: str = "") -> BlockKey:
+        if salt not in self._namespaces:
+            self._namespaces[salt] = self.fingerprint.namespace(salt)
+        return self._namespaces[salt]
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        stream: bool = False,
+        strict_length: bool = False,
+    ) -> str:
+        """Validate and queue one request; returns its id. With `stream`, every new token
+        also lands in `stream_deltas` (drained by the caller, e.g. the server's loop)."""
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids or text == "":
+            raise RequestError("the prompt is empty; send at least one token")
+        vocab = self.spec.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt_token_ids contains {bad[0]}, outside the vocabulary 0..{vocab - 1}"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
+                " (the model's context, capped by the device pool); shorten the prompt"
+            )
+        if strict_length and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens "
+                f"exceeds max_model_len={self.max_model_len}; lower max_tokens"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)
+        self.scheduler.add(seq, self.namespace(cache_salt))
+        if stream:
+            self._streaming.add(rid)
+        return rid
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise RequestError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise RequestError(f"unsupported prompt type {type(prompt).__name__}; use str or token ids")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the requests that finished in it."""
+        tier, scheduler = self.tier, self.scheduler
+        scheduler.apply(tier.reap())
+        batch = scheduler.schedule()
+        tier.submit()
+        if not batch:
+            scheduler.apply(tier.wait_any())  # blocked on a swap's store or a wake's load
+            return []
+        start = time.perf_counter()
+        sampled = self.runner.execute(batch.scheduled, tier.layer_barrier(batch))
+        void = scheduler.apply(tier.finish_layerwise(batch))  # failed loads void their step
+        tier.observe_prefill(batch, time.perf_counter() - start)
+        outputs = self._postprocess(batch, sampled, void)
+        tier.submit()  # write-through of what just finished
+        return outputs
+
+    def _postprocess(
+        self, batch: SchedulerOutput, sampled: dict[str, SampleResult], void: set[str]
+    ) -> list[RequestOutput]:
+        self.scheduler.update(
+            batch, {rid: r.token_id for rid, r in sampled.items() if rid not in void}, void
+        )
+        now = time.perf_counter()
+        done: list[Sequence] = []
+        for s in batch.scheduled:
+            result = sampled.get(s.seq.request_id)
+            if result is None or s.seq.request_id in void:
+                continue
+            seq = s.seq
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            if result.logprobs is not None:
+                seq.logprobs.append(result.logprobs)
+            finished = self.stops.check(seq)
+            if finished:
+                seq.timings.finished = now
+                done.append(seq)
+            if seq.request_id in self._streaming:
+                self.stream_deltas.append(StreamDelta.of(seq, finished))
+        self.scheduler.finish(done)
+        for seq in done:
+            self.runner.sampler.forget(seq.request_id)
+            self._streaming.discard(seq.request_id)
+        return [RequestOutput.of(seq) for seq in done]
+
+    def demote_cached(self) -> int:
+        """Move every cached device block that no request is using down to the host tier now
+        and free its device copy; returns how many blocks were demoted."""
+        before = self.tier.demoted_blocks
+        self.drain()  # blocks still being written through are demoted once they land
+        self.tier.demote_all()
+        self.drain()
+        return self.tier.demoted_blocks - before
+
+    def drain(self) -> None:
+        """Wait until the tier has nothing in flight (what a user's think time allows)."""
+        self.scheduler.apply(self.tier.drain())
+
+    def close(self) -> None:
+        """Write the cache down to the disk tier if there is one (what a restart will find),
+        then stop the transfer workers; pending transfers fail (their sequences recompute).
+        Runs once: `LLM.shutdown()`, the server's SIGTERM and interpreter exit all land here."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.scheduler.apply(self.tier.write_down())
+        except Exception:  # a failing disk must not stop the rest of the shutdown
+            log.exception("kvtier: writing the KV cache down to disk at shutdown failed")
+        finally:
+            self.tier.close()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        self._streaming.discard(request_id)
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        seq.timings.finished = time.perf_counter()
+        self.runner.sampler.forget(request_id)
+        return RequestOutput.of(seq)
+
+    def run_to_completion(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:
+        """Step until every listed request has finished; other requests progress too."""
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        idle_steps = 0
+        while wanted - done.keys():
+            outputs = self.step()
+            busy = self.scheduler.running or self.tier.busy
+            idle_steps = 0 if outputs or busy else idle_steps + 1
+            assert idle_steps < 3, "scheduler made no progress"
+            for out in outputs:
+                if out.request_id in wanted:
+                    done[out.request_id] = out
+                else:
+                    self.finished_outputs.append(out)
+        return done

@@ -1,0 +1,363 @@
+"""Continuous batching: which sequences run this step, with how many tokens each.
+
+Primitives: `add(seq)`, `schedule() -> SchedulerOutput`, `update(output, sampled)`,
+`finish(seqs)`, `abort(id)`, `apply(events)` (the tier's LoadDone / FetchDone).
+Policy (as in vLLM V1): running sequences first, in arrival order, each taking its remaining
+prompt chunk or one decode token from a shared token budget; when the pool runs dry the most
+recently arrived running sequence is preempted; waiting sequences are admitted FCFS only in
+a step that preempted nobody. With a tier (`TierClient`; `NullTier` when off), admission
+continues the prefix lookup past the device into host memory (and below) and restores what
+the planner says is cheaper to load than to recompute; a preempted sequence is swapped out
+whole (partial last block included) when restoring it beats recomputing it; finished
+prefixes are written down. Bookkeeping only: no tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.cache.block import Residency
+from kvtier.cache.block_pool import BlockPool
+from kvtier.cache.kv_cache import KVCacheManager
+from kvtier.config import SchedulerConfig
+from kvtier.engine.admission import AdmissionPlan, plan_admission
+from kvtier.sequence import Sequence, SequenceStatus, SwapState
+from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, swap_key
+
+if TYPE_CHECKING:  # the tier client imports this module's ScheduledSeq
+    from kvtier.engine.tier_client import NullTier, TierClient
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's work this step: compute tokens [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]
+    wait_ref: int | None = None  # a layerwise load the model must wait on, layer by layer
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last known token, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_swaps: int = 0  # preemptions whose KV went to host
+    num_recompute_preemptions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues and drives the KV cache manager and the tier."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        tier: TierClient | NullTier,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = KVCacheManager(pool, block_size)
+        self.block_size = block_size
+        self.max_model_len = max_model_len or config.max_model_len or pool.num_blocks * block_size
+        self.tier = tier
+        self.tier_config = tier.config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}  # request id -> sequence whose load is in flight
+        self.fetching: dict[str, Sequence] = {}  # request id -> sequence waiting on a fetch
+        self._restore_plan: dict[str, AdmissionPlan] = {}
+        self.namespaces: dict[str, BlockKey] = {}
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence, namespace: BlockKey) -> None:
+        self.namespaces[seq.request_id] = namespace
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.loading or self.fetching)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.stats.num_steps += 1
+        self.tier.demote_idle(time.monotonic())
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.loading is not None:  # its blocks are still arriving (async load)
+                i += 1
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + n, out):
+                break
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        self.tier.write_back(self.config.max_num_batched_tokens // self.block_size + 1)
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate `seq`'s slots, preempting from the back; False if `seq` cannot run now."""
+        while not self.kv.allocate_slots(seq.request_id, num_tokens):
+            victims = [s for s in self.running if s.loading is None]
+            victim = victims[-1]  # `seq` itself is always a candidate
+            self.running.remove(victim)
+            swapped = self._preempt(victim, out)
+            if victim is seq or swapped:
+                # A swapped victim's blocks come free when its store completes: next step.
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            plan = plan_admission(
+                seq, self.kv, self.namespaces[seq.request_id], self.tier, self.block_size
+            )
+            if plan is None:  # a deeper tier's answer is on its way: ask again next step
+                break
+            if plan.match.fetch_keys:
+                self._start_fetch(seq, plan)
+                continue
+            layerwise = self.tier_config.load_mode == "layerwise"
+            waits = bool(plan.load_keys) and not layerwise
+            n = 0 if waits else min(seq.num_tokens - plan.start, budget)
+            if not self.kv.allocate_slots(seq.request_id, plan.start + n, plan.prefix,
+                                          contiguous=bool(plan.load_keys)):
+                break
+            self.waiting.popleft()
+            self._apply(seq, plan, layerwise)
+            seq.status = SequenceStatus.RUNNING
+            if seq.timings.first_scheduled is None:
+                seq.timings.first_scheduled = time.perf_counter()
+            self.running.append(seq)
+            if n:
+                out.scheduled.append(self._scheduled(seq, n))
+                budget -= n
+
+    def _apply(self, seq: Sequence, plan: AdmissionPlan, layerwise: bool) -> None:
+        """Record the plan on the sequence and its table; start its load if there is one."""
+        first = seq.timings.first_token is None and seq.num_preemptions == 0
+        if first:
+            seq.num_cached_tokens = plan.prefix.num_tokens
+            seq.residency = plan.residency
+        seq.num_computed_tokens = plan.start
+        seq.num_recomputed_tokens += plan.declined_tokens
+        table = self.kv.tables[seq.request_id]
+        d = len(plan.prefix.block_ids)
+        blocks = table.block_ids[d : d + len(plan.load_keys)]
+        job = self.tier.allocated(seq.request_id, plan.match, blocks, layerwise)
+        if job is not None:
+            self._start_load(seq, plan, job)
+        if plan.swap_state_done and seq.swapped is not None:
+            self.tier.forget(seq.swapped.keys)  # pinned (loading) keys are kept
+            seq.swapped = None
+
+    def _start_load(self, seq: Sequence, plan: AdmissionPlan, job: int) -> None:
+        table = self.kv.tables[seq.request_id]
+        d = len(plan.prefix.block_ids)
+        for i in range(d, d + len(plan.load_keys)):
+            table.residency[i] = Residency.IN_FLIGHT
+        table.keys.extend(plan.content_keys)
+        seq.loading = job
+        seq.num_restored_tokens += plan.restored_tokens
+        seq.restore_bytes += len(plan.load_keys) * self.tier.block_bytes
+        seq.lossy = seq.lossy or self.tier.lossy
+        self.loading[seq.request_id] = seq
+        self._restore_plan[seq.request_id] = plan
+
+    def _start_fetch(self, seq: Sequence, plan: AdmissionPlan) -> None:
+        """Bring the blocks of `seq`'s prefix that live below host up to host; it waits out
+        of the queue meanwhile and is planned again (as a host wake) when they land. With
+        no host room to stage them, they are computed again."""
+        if self.tier.fetch(seq.request_id, plan.match):
+            self.waiting.popleft()
+            self.fetching[seq.request_id] = seq
+
+    def apply(self, events: Seq[Event]) -> set[str]:
+        """The tier's finished loads and fetches; returns the request ids whose load failed
+        (a layerwise step that read it must be discarded)."""
+        failed: set[str] = set()
+        for event in events:
+            if isinstance(event, LoadDone):
+                if not self._load_done(event):
+                    failed.add(event.request_id)
+            elif isinstance(event, FetchDone):
+                self._fetch_done(event)
+        return failed
+
+    def _fetch_done(self, done: FetchDone) -> None:
+        """A fetch landed (or failed): the request goes back to the head of the queue, its
+        fetched blocks held on host until it is admitted."""
+        seq = self.fetching.pop(done.request_id, None)
+        if seq is None:  # aborted meanwhile: the fetched blocks just stay cached on host
+            self.tier.finished(done.request_id)
+            return
+        self.waiting.appendleft(seq)
+
+    def _load_done(self, done: LoadDone) -> bool:
+        """Apply a finished load; returns False if it failed (the tokens will be recomputed)."""
+        seq = self.loading.pop(done.request_id)
+        plan = self._restore_plan.pop(done.request_id)
+        seq.loading = None
+        table = self.kv.tables.get(seq.request_id)
+        d = len(plan.prefix.block_ids)
+        if table is None or seq.is_finished:  # aborted while loading: release now
+            self.tier.finished(seq.request_id)
+            self.kv.free(seq.request_id)
+            self.namespaces.pop(seq.request_id, None)
+            return done.success
+        seq.restore_s += done.seconds
+        for i in range(d, d + len(plan.load_keys)):
+            table.residency[i] = Residency.DEVICE if done.success else Residency.NONE
+        if done.success:
+            return True
+        # A failed load is a miss, never a load: recompute from the end of the device prefix.
+        del table.keys[d:]
+        table.num_registered = min(table.num_registered, d)
+        seq.num_computed_tokens = plan.prefix.num_tokens
+        seq.num_restored_tokens -= plan.restored_tokens
+        seq.num_recomputed_tokens += plan.restored_tokens
+        seq.restore_bytes -= len(plan.load_keys) * self.tier.block_bytes
+        if seq.num_restored_tokens == 0:
+            seq.lossy = False
+        if seq.residency in ("host", "disk", "remote") and seq.num_restored_tokens == 0:
+            seq.residency = "recomputed"
+        return False
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        table = self.kv.tables[seq.request_id]
+        wait = seq.loading if seq.loading is not None else None
+        return ScheduledSeq(seq, seq.num_computed_tokens, n, table.block_ids, wait)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Free a running sequence's blocks; swap its KV to host first when that is cheaper
+        than recomputing it. Returns whether it was swapped."""
+        swapped = self._swap_out(seq)
+        self.kv.free(seq.request_id)
+        if swapped:
+            self.stats.num_swaps += 1
+        else:
+            seq.num_recomputed_tokens += seq.num_computed_tokens
+            self.stats.num_recompute_preemptions += 1
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.stats.num_preemptions += 1
+        return swapped
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        computed = seq.num_computed_tokens
+        if not self.tier.enabled or computed == 0:
+            return False
+        cap = self.tier_config.max_offload_tokens
+        if cap is not None and computed > cap:
+            return False
+        bs = self.block_size
+        table = self.kv.tables[seq.request_id]
+        nfull, nblocks = computed // bs, -(-computed // bs)
+        if not self.tier.swap_worth_it(computed, nblocks, self.tier_config.preemption_mode):
+            return False
+        keys = list(table.keys[:nfull])
+        tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(nfull)]
+        if computed % bs:
+            keys.append(swap_key(seq.request_id, nfull))
+            tokens.append(seq.tokens(nfull * bs, computed))
+        if len(keys) != nblocks or not self.tier.store(table.block_ids[:nblocks], keys, tokens):
+            return False
+        seq.swapped = SwapState(keys, tokens, computed)
+        return True
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        void: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
+        """Advance computed counts and publish newly full blocks; append sampled tokens.
+        Sequences in `void` (their layerwise load failed) keep nothing from this step."""
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.request_id in void:
+                continue
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            token = sampled.get(seq.request_id)
+            if token is not None:
+                seq.output_token_ids.append(token)
+            self.kv.register_full_blocks(
+                seq.request_id,
+                self.namespaces[seq.request_id],
+                seq.token_ids,
+                seq.num_computed_tokens,
+            )
+
+    def finish(self, seqs: Seq[Sequence]) -> None:
+        """Release finished sequences' blocks (they stay in the prefix cache until reused),
+        writing their full blocks down to host first under `write_through`."""
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            if seq in self.running:
+                self.running.remove(seq)
+            if seq.request_id in self.loading:
+                continue  # its blocks are being written: released when the load lands
+            self._write_through(seq)
+            self.tier.finished(seq.request_id, seq.swapped.keys if seq.swapped else ())
+            self.kv.free(seq.request_id)
+            self.namespaces.pop(seq.request_id, None)
+
+    def _write_through(self, seq: Sequence) -> None:
+        table = self.kv.tables.get(seq.request_id)
+        if table is None or self.tier_config.kv_write_policy != "write_through":
+            return
+        bs = self.block_size
+        full = min(len(table.keys), seq.num_computed_tokens // bs)
+        cap = self.tier_config.max_offload_tokens
+        if cap is not None:
+            full = min(full, cap // bs)
+        tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]
+        self.tier.store(table.block_ids[:full], table.keys[:full], tokens)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        fetching = self.fetching.pop(request_id, None)
+        if fetching is not None:  # its fetch lands later; the tier forgets it then
+            fetching.finish_reason = "abort"
+            fetching.status = SequenceStatus.FINISHED
+            self.namespaces.pop(request_id, None)
+            return fetching
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    seq.finish_reason = "abort"
+                    self.finish([seq])
+                    return seq
+        return None

@@ -1,0 +1,350 @@
+"""The engine's side of the tier: the device-pool half that the library never touches.
+
+`TierClient` joins kvtier's `BlockPool` to a built `Tier`: it takes an extra reference on
+each device block a store reads and drops it on `StoreDone` (uncaching an idle block once
+its bytes are on host), runs the two pool policies (idle demotion, write-back of blocks
+about to be evicted), and moves jobs and results between the manager and the worker.
+`NullTier` is the same face with no tier behind it, so the engine loop has no branches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.cache.block_pool import BlockPool
+from kvtier.config import EngineConfig
+from kvtier.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvtier.errors import ConfigError
+from kvtier.model.runner import ModelRunner
+from kvtier.sequence import SamplingParams
+from kvtier.sequence import Sequence as Request
+from kvtier.tier import (
+    NO_MATCH,
+    BlockKey,
+    Event,
+    KVLayout,
+    Match,
+    StoreDone,
+    Tier,
+    TierConfig,
+    build,
+)
+
+CALIBRATION_PREFILL_TOKENS = 256
+PREFILL_OBSERVE_TOKENS = 64  # steps with at least this much prefill refine the planner
+
+
+class TierClient:
+    """A tier under kvtier's device pool."""
+
+    def __init__(self, tier: Tier, pool: BlockPool) -> None:
+        self.tier = tier
+        self.manager = tier.manager
+        self.worker = tier.worker
+        self.pool = pool
+        self.config: TierConfig = tier.manager.config
+        self.demoted_blocks = 0  # idle blocks whose device copy was dropped
+
+    @classmethod
+    def build(cls, config: EngineConfig, runner: ModelRunner, pool: BlockPool,
+              namespace: bytes) -> TierClient | NullTier:
+        """`namespace`: the engine's fingerprint digest, which every block below host
+        carries. A NullTier when `kv_offloading_size` is 0."""
+        if not config.offload.enabled:
+            return NullTier(config.offload)
+        if not config.cache.enable_prefix_caching:
+            raise ConfigError(
+                "kv_offloading_size > 0 needs enable_prefix_caching=True: the host tier finds "
+                "blocks by their prefix keys, so nothing would ever be offloaded"
+            )
+        tier = build(config.offload, KVLayout.from_contiguous(runner.kv), namespace,
+                     runner.block_size, measure_prefill(runner))
+        return cls(tier, pool)
+
+    # -- what the scheduler asks ---------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    @property
+    def lossy(self) -> bool:
+        return self.manager.lossy
+
+    @property
+    def block_bytes(self) -> int:
+        return self.manager.block_bytes
+
+    @property
+    def below_host(self) -> bool:
+        return self.manager.below is not None
+
+    def match(self, request_id: str, keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
+        return self.manager.match(request_id, keys, tokens, preempted)
+
+    def fetch(self, request_id: str, match: Match) -> bool:
+        return self.manager.fetch(request_id, match)
+
+    def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
+                  layerwise: bool) -> int | None:
+        return self.manager.allocated(request_id, match, blocks, layerwise)
+
+    def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
+        self.manager.finished(request_id, swap_keys)
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        self.manager.forget(keys)
+
+    def swap_worth_it(self, tokens: int, num_blocks: int, mode: str) -> bool:
+        """Whether a preempted sequence's KV should go to host rather than be recomputed."""
+        decision = self.manager.planner.decide(tokens, num_blocks * self.block_bytes, mode)
+        return decision.choice == "restore"
+
+    def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], demote: bool = False,
+              evict_first: bool = False) -> bool:
+        """Copy device blocks the host lacks; False if the host could not make room."""
+        blocks = self.manager.store(block_ids, keys, tokens, demote, evict_first)
+        if blocks is None:
+            return False
+        self.pool.touch(blocks)  # the device bytes must outlive the copy
+        return True
+
+    # -- the two pool policies -----------------------------------------------------------
+
+    def demote_idle(self, now: float) -> None:
+        """Cached device blocks unused for `idle_offload_s`: make sure the host has them, then
+        drop the device copy, so an idle session stops holding device memory."""
+        if self.config.idle_offload_s <= 0:
+            return
+        cutoff = now - self.config.idle_offload_s
+        self._store_free_blocks(self.pool.cached_free(self.pool.num_blocks, idle_before=cutoff),
+                                demote=True)
+
+    def demote_all(self, limit: int | None = None) -> int:
+        """Push cached, unused device blocks down to host and drop their device copy (what
+        `idle_offload_s` does after a while, now), at most `limit`; how many were taken."""
+        blocks = self.pool.cached_free(self.pool.num_blocks)[:limit]
+        self._store_free_blocks(blocks, demote=True)
+        return len(blocks)
+
+    def write_back(self, watermark: int) -> None:
+        """The next `watermark` blocks the device would evict go down if no tier below holds
+        them. Under `write_back` this is how blocks reach the host at all (and the tiers are
+        exclusive); under `write_through` it catches what a full host refused at finish."""
+        # `allocate` takes uncached free blocks first: only the cached blocks that the
+        # next `watermark` allocations would reach need to be below the device already.
+        at_risk = watermark - self.pool.num_free_uncached()
+        if at_risk > 0:
+            self._store_free_blocks(self.pool.cached_free(at_risk), demote=False)
+
+    def _store_free_blocks(self, blocks: list[int], demote: bool) -> None:
+        missing, keys, tokens, safe = [], [], [], []
+        for block in blocks:
+            key = self.pool.key[block]
+            assert key is not None
+            if self.manager.holds(key):
+                safe.append(block)
+                continue
+            missing.append(block)
+            keys.append(key)
+            tokens.append(self.pool.tokens[block] or ())
+        if demote and safe:
+            self.pool.uncache(safe)
+            self.demoted_blocks += len(safe)
+        if keys:
+            self.store(missing, keys, tokens, demote=demote, evict_first=True)
+
+    # -- jobs and results ----------------------------------------------------------------
+
+    def submit(self) -> None:
+        """Hand every job decided since the last call to the worker."""
+        for job in self.manager.take_jobs():
+            self.worker.submit(job)
+
+    def reap(self) -> list[Event]:
+        """Apply every job that finished since the last call; the events for the scheduler."""
+        return self._apply(self.worker.poll())
+
+    def wait_any(self) -> list[Event]:
+        """Nothing can run until a job lands (a swap frees blocks, a load or fetch wakes a
+        sequence) or a presence answer comes: block on the oldest."""
+        self.submit()
+        results = self.worker.wait_any()
+        if not results and self.manager.below is not None:
+            self.manager.below.wait_presence()
+        return self._apply(results)
+
+    def _apply(self, results: Sequence[Any]) -> list[Event]:
+        events = self.manager.apply(results)
+        for event in events:
+            if isinstance(event, StoreDone):
+                self._stored(event)
+        self.submit()  # a finished store may have queued writes below host
+        return [e for e in events if not isinstance(e, StoreDone)]
+
+    def _stored(self, done: StoreDone) -> None:
+        # Idle or about-to-be-evicted blocks go back where they were: first to be reused.
+        self.pool.free(done.device_blocks, evict_first=done.success and done.evict_first)
+        if done.success and done.demote:
+            idle = [b for b in done.device_blocks
+                    if self.pool.ref_cnt[b] == 0 and self.pool.key[b] is not None]
+            self.pool.uncache(idle)
+            self.demoted_blocks += len(idle)
+
+    def layer_barrier(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
+        """For layerwise loads in this step: block layer l's attention until l has arrived."""
+        jobs = [s.wait_ref for s in batch.scheduled if s.wait_ref is not None]
+        if not jobs:
+            return None
+
+        def barrier(layer: int) -> None:
+            for job in jobs:
+                self.worker.wait_layer(job, layer)  # False (failed) is handled after the step
+
+        return barrier
+
+    def finish_layerwise(self, batch: SchedulerOutput) -> list[Event]:
+        """Collect this step's layerwise loads (a failed one voids its sequence's step)."""
+        results = [self.worker.wait(s.wait_ref) for s in batch.scheduled
+                   if s.wait_ref is not None and self.worker.in_flight(s.wait_ref)]
+        return self._apply(results)
+
+    def observe_prefill(self, batch: SchedulerOutput, seconds: float) -> None:
+        """Score and refine the planner's recompute estimate on steps that are mostly prefill."""
+        prefill = sum(s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1)
+        if prefill >= PREFILL_OBSERVE_TOKENS and prefill >= 0.9 * batch.num_batched_tokens:
+            planner = self.manager.planner
+            planner.observe_prefill(prefill, seconds, planner.recompute_s(prefill))
+
+    @property
+    def busy(self) -> bool:
+        return self.manager.busy or self.worker.busy
+
+    def drain(self) -> list[Event]:
+        """Submit what was decided and wait until no job is in flight; the events seen."""
+        events: list[Event] = []
+        self.submit()
+        while self.busy:
+            events += self.wait_any()
+        return events
+
+    def write_down(self) -> list[Event]:
+        """Before a clean exit with a disk or remote tier: every cached block still only on
+        device or host goes down (two hops) and the disk is synced, so the next process (or
+        another one sharing the Redis) finds it."""
+        if self.manager.below is None:
+            return []
+        events = self.drain()
+        events += self._flush()  # what only host holds goes down first: the batches evict it
+        batch = max(1, self.manager.host.num_slots // 2)  # a host smaller than the device
+        for _ in range(-(-self.pool.num_blocks // batch)):  # bounded: stores may fail
+            if not self.demote_all(batch):  # demoted blocks leave the device cache
+                break
+            events += self.drain()
+            events += self._flush()
+        return events
+
+    def _flush(self) -> list[Event]:
+        self.manager.write_down_host()
+        events = self.drain()
+        self.worker.flush()
+        return events
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class NullTier:
+    """No tier: every question answers "nothing below the device"."""
+
+    enabled = False
+    lossy = False
+    block_bytes = 0
+    below_host = False
+    busy = False
+    demoted_blocks = 0
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+
+    def match(self, request_id: str, keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
+        return NO_MATCH
+
+    def fetch(self, request_id: str, match: Match) -> bool:
+        return False
+
+    def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
+                  layerwise: bool) -> int | None:
+        return None
+
+    def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
+        pass
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        pass
+
+    def swap_worth_it(self, tokens: int, num_blocks: int, mode: str) -> bool:
+        return False
+
+    def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], demote: bool = False,
+              evict_first: bool = False) -> bool:
+        return False
+
+    def demote_idle(self, now: float) -> None:
+        pass
+
+    def demote_all(self, limit: int | None = None) -> int:
+        return 0
+
+    def write_back(self, watermark: int) -> None:
+        pass
+
+    def submit(self) -> None:
+        pass
+
+    def reap(self) -> list[Event]:
+        return []
+
+    def wait_any(self) -> list[Event]:
+        return []
+
+    def layer_barrier(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
+        return None
+
+    def finish_layerwise(self, batch: SchedulerOutput) -> list[Event]:
+        return []
+
+    def observe_prefill(self, batch: SchedulerOutput, seconds: float) -> None:
+        pass
+
+    def drain(self) -> list[Event]:
+        return []
+
+    def write_down(self) -> list[Event]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def measure_prefill(runner: ModelRunner) -> float:
+    """Prefill tokens per second on this machine (the planner's starting recompute speed)."""
+    tokens = min(CALIBRATION_PREFILL_TOKENS, runner.num_blocks * runner.block_size - 1)
+    seq = Request("calibration", [1 + (i * 7) % 50 for i in range(tokens)],
+                  SamplingParams(max_tokens=1, temperature=0.0))
+    used = list(range(-(-tokens // runner.block_size)))
+    chunk = ScheduledSeq(seq, 0, tokens, used)
+    runner.execute([chunk])  # warm-up
+    start = time.perf_counter()
+    runner.execute([chunk])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - start)

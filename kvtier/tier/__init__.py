@@ -1,0 +1,68 @@
+"""kvtier's KV tier as a library: host memory, then disk and a shared store below it.
+
+The face, for any engine (kvtier's own, vLLM's through a KV connector):
+  build(config, layout, namespace, block_size, prefill_tokens_per_s) -> Tier
+  Tier.manager   TierManager, scheduler side, no tensors: match / fetch / allocated /
+                 store / finished / take_jobs / apply
+  Tier.worker    TierWorker, bytes side: submit / poll / wait / wait_any / wait_layer / close
+  KVLayout       the engine's KV memory: from_contiguous(kv) or from_layers({name: tensor})
+  Fingerprint    the namespace every block key is chained from (change a field: no old hit)
+  Job, Result, LoadDone, FetchDone, StoreDone   what crosses between the two sides
+Nothing here imports an engine; everything outside `worker/` is pure Python (no torch), and
+the bytes side is imported only when first named, so bookkeeping alone never loads torch.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from kvtier.tier.config import SAFE_RAM_SHARE, TierConfig
+from kvtier.tier.fingerprint import Fingerprint
+from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
+from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
+from kvtier.tier.layout import KVLayout
+from kvtier.tier.manager import NO_MATCH, Match, TierManager
+from kvtier.tier.planner import Calibration, Choice, Decision, Planner
+
+if TYPE_CHECKING:
+    from kvtier.tier.wiring import Tier, build
+    from kvtier.tier.worker.worker import TierWorker
+
+__all__ = [
+    "NO_MATCH",
+    "SAFE_RAM_SHARE",
+    "BlockKey",
+    "Calibration",
+    "Choice",
+    "Decision",
+    "Event",
+    "FetchDone",
+    "Fingerprint",
+    "Job",
+    "KVLayout",
+    "LoadDone",
+    "Match",
+    "Medium",
+    "Planner",
+    "Result",
+    "StoreDone",
+    "Tier",
+    "TierConfig",
+    "TierManager",
+    "TierWorker",
+    "build",
+    "hash_blocks",
+    "is_swap_key",
+    "swap_key",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The bytes side (torch) on first use: `build`, `Tier`, `TierWorker`."""
+    if name in ("Tier", "build"):
+        from kvtier.tier import wiring
+
+        return getattr(wiring, name)
+    if name == "TierWorker":
+        from kvtier.tier.worker.worker import TierWorker
+
+        return TierWorker
+    raise AttributeError(f"module 'kvtier.tier' has no attribute {name!r}")

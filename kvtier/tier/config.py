@@ -1,0 +1,119 @@
+"""The tier's knobs, named as vLLM and SGLang users know them (`kv_offloading_size`, ...).
+
+`EngineConfig.offload` is one of these; a vLLM connector builds one from its extra config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+KV_OFFLOAD_DTYPES = ("int8", "fp8")
+SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
+WRITE_POLICIES = ("write_through", "write_back")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+LOAD_MODES = ("async", "layerwise")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The host-memory KV tier and the tiers below it: off until given a size, as in vLLM."""
+
+    kv_offloading_size: float = 0.0  # GiB of host memory (pinned on CUDA); 0 = off
+    kv_offloading_backend: str = "native"
+    kv_write_policy: str = "write_through"  # finished prefixes go down at finish, or on eviction
+    eviction_policy: str = "lru"  # host tier: lru | arc
+    idle_offload_s: float = 0.0  # demote cached blocks idle this long even without pressure; 0=off
+    preemption_mode: str = "auto"  # auto: the planner picks swap or recompute per sequence
+    load_mode: str = "async"  # async: wait for the whole load; layerwise: overlap with compute
+    max_load_tokens: int | None = None  # per request; the rest is recomputed
+    max_offload_tokens: int | None = None  # per request
+    blocks_per_chunk: int = 16
+    # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
+    # decode, which is bound by it. None: copy as fast as the link allows. Loads never wait.
+    max_store_gbps: float | None = None
+    # Tiers below host memory, staged through it (device -> host -> disk or Redis and back).
+    disk_kv_path: str | None = None  # directory of the disk tier's slot file (created 0700)
+    disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
+    remote_kv_url: str | None = None  # redis://[:password@]host:port[/db], shared by processes
+    remote_kv_ttl_s: float | None = None  # expire remote blocks after this long; None = never
+    # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
+    # see how a slower device would serve); None: as fast as the disk goes.
+    disk_kv_max_gbps: float | None = None
+    # The planner's starting read rate (GB/s) of each tier below host; None: probed at start
+    # (a few blocks, cold). Either way it is refined from every fetch.
+    disk_kv_read_gbps: float | None = None
+    remote_kv_read_gbps: float | None = None
+    # Lossy demotion: blocks leave the device as int8 or fp8 with per-head scales (4x fewer
+    # bytes than float32, 2x than 16-bit, on the host link, in host memory and below); None:
+    # exact bytes.
+    kv_offload_dtype: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_offloading_size > 0
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_kv_size > 0
+
+    @property
+    def remote_enabled(self) -> bool:
+        return bool(self.remote_kv_url)
+
+    def validate(self) -> None:
+        if self.kv_offloading_size < 0:
+            raise ConfigError(
+                f"kv_offloading_size={self.kv_offloading_size} GiB must be >= 0 (0 = off)"
+            )
+        if self.kv_offloading_backend != "native":
+            raise ConfigError(
+                f"kv_offloading_backend={self.kv_offloading_backend!r}: only 'native' exists"
+            )
+        for name, value, choices in (
+            ("kv_write_policy", self.kv_write_policy, WRITE_POLICIES),
+            ("preemption_mode", self.preemption_mode, PREEMPTION_MODES),
+            ("load_mode", self.load_mode, LOAD_MODES),
+        ):
+            if value not in choices:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        if self.idle_offload_s < 0:
+            raise ConfigError(f"idle_offload_s={self.idle_offload_s} must be >= 0 (0 = off)")
+        for name, cap in (("max_load_tokens", self.max_load_tokens),
+                          ("max_offload_tokens", self.max_offload_tokens)):
+            if cap is not None and cap < 0:
+                raise ConfigError(f"{name}={cap} must be >= 0")
+        if self.blocks_per_chunk < 1:
+            raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
+        if self.max_store_gbps is not None and not self.max_store_gbps > 0:
+            raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
+        self._validate_deep_tiers()
+
+    def _validate_deep_tiers(self) -> None:
+        if self.disk_kv_size < 0:
+            raise ConfigError(f"disk_kv_size={self.disk_kv_size} GiB must be >= 0 (0 = off)")
+        if self.disk_kv_size > 0 and not self.disk_kv_path:
+            raise ConfigError("disk_kv_size is set but disk_kv_path is not; name a directory")
+        if self.disk_kv_path and self.disk_kv_size == 0:
+            raise ConfigError("disk_kv_path is set but disk_kv_size is 0; give its size in GiB")
+        for name in ("disk_kv_max_gbps", "disk_kv_read_gbps", "remote_kv_read_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value} must be > 0 (or unset)")
+        if self.kv_offload_dtype is not None:
+            if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+                raise ConfigError(f"kv_offload_dtype={self.kv_offload_dtype!r} is not one of "
+                                  f"{', '.join(KV_OFFLOAD_DTYPES)} (or unset for exact bytes)")
+            if not self.enabled:
+                raise ConfigError("kv_offload_dtype encodes blocks on their way down to host "
+                                  "memory (and below): set kv_offloading_size as well")
+        if self.remote_kv_ttl_s is not None and not self.remote_kv_ttl_s > 0:
+            raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
+        if self.remote_kv_ttl_s is not None and not self.remote_kv_url:
+            raise ConfigError("remote_kv_ttl_s is set but remote_kv_url is not")
+        if (self.disk_enabled or self.remote_enabled) and not self.enabled:
+            raise ConfigError(
+                "the disk and remote tiers are staged through host memory: set "
+                "kv_offloading_size (GiB of host memory) as well"
+            )

@@ -1,0 +1,39 @@
+"""Disk tier bookkeeping: which key sits in which slot of the disk file, across restarts.
+
+A new process rebuilds this index from the headers a previous process left on disk
+(`adopt`), so a conversation written down before a restart is found again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from kvtier.tier.index.slots import SlotTier, _Entry
+from kvtier.tier.keys import BlockKey, Medium
+
+
+class DiskTier(SlotTier):
+    """Slots of the disk tier's preallocated file (`transfer.disk_store.DiskStore`)."""
+
+    medium = Medium.DISK
+    size_knob = "disk_kv_size"
+
+    def adopt(self, found: Iterable[tuple[int, BlockKey, Sequence[int]]]) -> list[int]:
+        """Register the complete blocks found on disk at start, oldest first for the policy.
+
+        Returns the slots not adopted (out of range, taken twice, or a key seen twice: the
+        first one wins), which the caller should invalidate. Only valid on an empty tier.
+        """
+        assert not self._entries, "adopt rebuilds the index of a tier that holds nothing yet"
+        rejected: list[int] = []
+        taken: set[int] = set()
+        for slot, key, tokens in found:
+            if not 0 <= slot < self.num_slots or slot in taken or key in self._entries:
+                rejected.append(slot)
+                continue
+            taken.add(slot)
+            self._entries[key] = _Entry(slot, tuple(tokens))
+            self.policy.insert(key)
+        self._free = deque(s for s in self._free if s not in taken)
+        return rejected

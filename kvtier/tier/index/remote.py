@@ -1,0 +1,144 @@
+"""Remote tier bookkeeping: a store shared by several processes, so presence is asked of it.
+
+Nothing here is authoritative: another process may write or expire a key at any time, so
+`lookup` asks the store and a hit is only a hint until the fetched header, tokens and
+checksum verify. The question goes to `RemotePresence`, a thread of its own: a scheduling
+step never waits on the network, it gets None ("ask again") until the answer is in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvtier.tier.index.base import TierStats
+from kvtier.tier.keys import BlockKey, Medium
+
+log = logging.getLogger(__name__)
+
+# keys -> one presence flag each (may raise: an unreachable store then answers all False)
+ExistsFn = Callable[[Sequence[BlockKey]], list[bool]]
+MAX_ANSWERS = 1024  # answers nobody came back for (an aborted request) are dropped oldest first
+
+
+class RemotePresence:
+    """Asks `exists` off the caller's thread; `ask` returns the answer once it is in."""
+
+    def __init__(self, exists: ExistsFn) -> None:
+        self._exists = exists
+        self._cond = threading.Condition()
+        self._questions: OrderedDict[tuple[BlockKey, ...], None] = OrderedDict()
+        self._answers: OrderedDict[tuple[BlockKey, ...], list[bool]] = OrderedDict()
+        self._closing = False
+        self.errors = 0  # questions answered "absent" because the store failed
+        self._thread = threading.Thread(target=self._run, name="kvtier-presence", daemon=True)
+        self._thread.start()
+
+    def ask(self, keys: Sequence[BlockKey]) -> list[bool] | None:
+        """The store's answer for exactly these keys if it is in (consumed), else None
+        (the question is queued once; ask again later)."""
+        question = tuple(keys)
+        with self._cond:
+            answer = self._answers.pop(question, None)
+            if answer is not None:
+                return answer
+            if question not in self._questions and not self._closing:
+                self._questions[question] = None
+                self._cond.notify_all()
+            return None
+
+    @property
+    def pending(self) -> bool:
+        with self._cond:
+            return bool(self._questions)
+
+    def wait(self, timeout: float) -> None:
+        """Block until no question is outstanding (or `timeout`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._questions or self._closing, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._questions.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._questions) or self._closing)
+                if self._closing:
+                    return
+                question = next(iter(self._questions))
+            try:
+                answer = list(self._exists(question))
+            except Exception as e:  # unreachable, or credentials revoked since start: a miss
+                log.debug("kvtier: remote presence query failed: %s", e)
+                answer = [False] * len(question)
+                with self._cond:
+                    self.errors += 1
+            with self._cond:
+                self._questions.pop(question, None)
+                self._answers[question] = answer
+                while len(self._answers) > MAX_ANSWERS:
+                    self._answers.popitem(last=False)
+                self._cond.notify_all()
+
+
+class RemoteTier:
+    """Counters and in-flight writes of the shared store; presence comes from `presence`."""
+
+    medium = Medium.REMOTE
+
+    def __init__(self, presence: RemotePresence) -> None:
+        self.presence = presence
+        self._writing: set[BlockKey] = set()
+        self._counts = TierStats()
+
+    @property
+    def stats(self) -> TierStats:
+        s = self._counts
+        return TierStats(s.lookups, s.hits, s.stores, s.store_failures, s.loads,
+                         s.load_failures, 0, s.collisions, 0, 0, len(self._writing))
+
+    @property
+    def pending(self) -> bool:
+        return self.presence.pending
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int | None:
+        """How many leading keys the store says it holds (tokens are checked on fetch);
+        None until the store has answered."""
+        if not keys:
+            return 0
+        present = self.presence.ask(keys)
+        if present is None:
+            return None
+        hits = 0
+        for flag in present:
+            if not flag:
+                break
+            hits += 1
+        self._counts.lookups += min(len(keys), hits + 1)
+        self._counts.hits += hits
+        return hits
+
+    def prepare_store(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The keys not already being written by this process, marked in flight."""
+        new = [k for k in dict.fromkeys(keys) if k not in self._writing]
+        self._writing.update(new)
+        return new
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
+        for key in keys:
+            self._writing.discard(key)
+        if success:
+            self._counts.stores += len(keys)
+        else:
+            self._counts.store_failures += len(keys)
+
+    def complete_load(self, loaded: int, failed: int) -> None:
+        self._counts.loads += loaded
+        self._counts.load_failures += failed

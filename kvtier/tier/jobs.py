@@ -1,0 +1,110 @@
+"""One job type for every hop the tier makes, one result type, and the events a client gets.
+
+A `Job` names its source and destination medium; the worker routes it by that pair:
+    DEVICE -> HOST   store: device blocks into host slots
+    HOST -> DEVICE   load: host slots into freshly allocated device blocks (maybe layerwise)
+    HOST -> DISK | REMOTE   write: host rows down to a deeper tier, one header per block
+    DISK | REMOTE -> HOST   fetch: blocks up into host rows, verified before they count
+Ids are assigned by the manager (one counter for every hop), so a client maps nothing.
+Events are what `TierManager.apply` hands back: `LoadDone` and `FetchDone` for the request
+that waits, `StoreDone` for whoever owns the device blocks (free or uncache them now).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.tier.keys import BlockKey, Medium
+
+
+@dataclass(frozen=True)
+class Job:
+    """Copy block i between `host_slots[i]` and the other side (a device block or a deeper
+    tier's copy of `keys[i]`), in the direction `src -> dst`."""
+
+    id: int
+    src: Medium
+    dst: Medium
+    host_slots: tuple[int, ...]
+    device_blocks: tuple[int, ...] = ()  # DEVICE <-> HOST: block i <-> host_slots[i]
+    layerwise: bool = False  # HOST -> DEVICE: layer 0 of every block first, then layer 1...
+    keys: tuple[BlockKey, ...] = ()  # below host: the key each block's header carries
+    tokens: tuple[tuple[int, ...], ...] = ()  # below host: its token ids (verified on fetch)
+    media: tuple[Medium, ...] = ()  # below host, per key: the deeper tier it lives on
+    disk_slots: tuple[int, ...] = ()  # below host, per key: its disk slot, -1 if not on disk
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.host_slots)
+
+    @property
+    def below_host(self) -> bool:
+        return Medium.DEVICE not in (self.src, self.dst)
+
+
+@dataclass(frozen=True)
+class Result:
+    """How a job ended, per block: `ok[i]`, and `reasons[i]` ("" where ok) otherwise.
+
+    Reasons are the labels metrics carry ("checksum", "tokens", "missing", "io:...",
+    "skipped" for a block not read after an earlier one failed). A failed block is a miss,
+    never a load: its partial bytes are the caller's to discard."""
+
+    job_id: int
+    ok: tuple[bool, ...]
+    reasons: tuple[str, ...]
+    nbytes: int
+    seconds: float
+
+    @property
+    def success(self) -> bool:
+        return all(self.ok)
+
+    @classmethod
+    def whole(cls, job_id: int, num_blocks: int, success: bool, nbytes: int, seconds: float,
+              error: str | None = None) -> Result:
+        """A job that succeeds or fails as one (a device <-> host copy)."""
+        reason = "" if success else (error or "failed")
+        return cls(job_id, (success,) * num_blocks, (reason,) * num_blocks, nbytes, seconds)
+
+
+SKIPPED = "skipped"  # the reason for a block after a failed one in the same job: not its fault
+
+
+@dataclass(frozen=True)
+class LoadDone:
+    """A host -> device load finished; on failure its tokens are recomputed."""
+
+    request_id: str
+    job_id: int
+    success: bool
+    num_blocks: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FetchDone:
+    """A fetch up to host finished: its leading `fetched` blocks are on host now."""
+
+    request_id: str
+    fetched: int
+    source: Medium | None  # the deepest tier a fetched block came from
+    missed: int = 0  # blocks asked for that did not come up (failed, or after a failure)
+
+
+@dataclass(frozen=True)
+class StoreDone:
+    """A device -> host store finished: the device blocks' extra reference can go now.
+
+    `evict_first`: they were taken from the eviction end (write-back, demotion) and go back
+    there; `demote`: on success their device copy should be forgotten (idle demotion)."""
+
+    job_id: int
+    device_blocks: tuple[int, ...]
+    success: bool
+    demote: bool = False
+    evict_first: bool = False
+
+
+Event = LoadDone | FetchDone | StoreDone

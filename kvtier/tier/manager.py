@@ -1,0 +1,318 @@
+"""TierManager: the scheduler side of the tier. Bookkeeping only: no tensors, no device pool.
+
+Primitives, in the order a client calls them:
+  match(request, keys, tokens)      leading blocks the host holds (load) or a deeper tier
+                                    holds (fetch), with the planner's verdict; None = a
+                                    remote presence answer is pending, ask again next step
+  fetch(request, match)             bring the below-host blocks up into host slots first
+  allocated(request, match, blocks) device blocks are ready: start the host -> device load
+  store(blocks, keys, tokens)       device blocks -> host slots (the client holds an extra
+                                    reference on each device block until its StoreDone)
+  finished(request)                 the request is gone: its per-request state is dropped
+  take_jobs() -> [Job]              jobs decided since the last call, for the worker
+  apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
+Between a job's creation and its result, its host slots are pinned in the host index (and
+a deeper tier's slots in theirs): neither is evicted nor handed out again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.tier.below import BelowHost
+from kvtier.tier.config import TierConfig
+from kvtier.tier.index.host import HostTier
+from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
+from kvtier.tier.keys import BlockKey, Medium, is_swap_key
+from kvtier.tier.planner import Decision, Planner
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where the blocks after the device prefix can come from, for one request."""
+
+    load_keys: tuple[BlockKey, ...] = ()  # host blocks to load, in order
+    restored_tokens: int = 0  # tokens those blocks cover
+    declined_tokens: int = 0  # found (host or below) but the planner chose to recompute
+    decision: Decision | None = None
+    fetch_keys: tuple[BlockKey, ...] = ()  # below host: bring these up to host first
+    fetch_tokens: tuple[tuple[int, ...], ...] = ()
+    fetch_media: tuple[Medium, ...] = ()
+    fetched_from: Medium | None = None  # a fetch brought (some of) these blocks up to host
+
+    @property
+    def residency(self) -> Medium | None:
+        """Where the restored state came from, if any is restored."""
+        if not self.load_keys:
+            return None
+        return self.fetched_from or Medium.HOST
+
+
+NO_MATCH = Match()
+
+
+@dataclass
+class TierStats:
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    failed_stores: int = 0
+    failed_loads: int = 0
+    demoted_blocks: int = 0  # idle blocks whose device copy was dropped (the client counts)
+    store_refused: int = 0  # stores the host tier could not make room for
+
+
+@dataclass
+class _Pending:
+    """A device <-> host job in flight, with what its completion must do."""
+
+    job: Job
+    keys: list[BlockKey]
+    request_id: str | None = None
+    predicted_s: float | None = None
+    demote: bool = False
+    evict_first: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Request:
+    """The tier's own state of one request (kept off the engine's sequence object)."""
+
+    checked_below: bool = False  # tiers below host were consulted once: never fetch twice
+    declined_tokens: int = 0  # found below host but declined, or lost on the way up
+    fetched_from: Medium | None = None
+
+
+class TierManager:
+    """Coordinates the host index, the tiers below it and the planner for one client."""
+
+    def __init__(self, config: TierConfig, block_size: int, host: HostTier, planner: Planner,
+                 block_bytes: int, below: BelowHost | None, ids: Iterator[int]) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.host = host
+        self.planner = planner
+        self.block_bytes = block_bytes  # bytes of one block across the host link
+        self.below = below
+        self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
+        self.stats = TierStats()
+        self._ids = ids
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: list[Job] = []
+        self._requests: dict[str, _Request] = {}
+
+    # -- queries ------------------------------------------------------------------------
+
+    def host_hits(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> int:
+        return self.host.lookup(keys, tokens) if keys else 0
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a tier below the device already keeps `key` (host, or the local disk)."""
+        return self.host.lookup([key]) == 1 or (self.below is not None
+                                                and self.below.on_disk(key))
+
+    @property
+    def busy(self) -> bool:
+        """A job decided or running, or a presence answer awaited."""
+        return bool(self._pending) or (self.below is not None and self.below.busy)
+
+    @property
+    def pending_stores(self) -> int:
+        return sum(1 for p in self._pending.values() if p.job.dst is Medium.HOST)
+
+    # -- match and load -----------------------------------------------------------------
+
+    def match(self, request_id: str, keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], preempted: bool = False) -> Match | None:
+        """The blocks after the device prefix (`keys[i]` covers `tokens[i]`; a preempted
+        sequence's partial last block included) that are worth restoring rather than
+        recomputing. None: a deeper tier's answer is pending, ask again next step."""
+        state = self._requests.setdefault(request_id, _Request())
+        hits = self.host_hits(keys, tokens)
+        cap = self.config.max_load_tokens
+        if cap is not None:
+            hits = min(hits, cap // self.block_size)
+        extra = state.declined_tokens
+        if not preempted and not state.checked_below and hits < len(keys) and self.below:
+            media = self.below.hits(keys[hits:], tokens[hits:])
+            if media is None:
+                return None
+            state.checked_below = True
+            if cap is not None:
+                media = media[: max(0, cap // self.block_size - hits)]
+            fetch = self._plan_fetch(state, keys[hits:], tokens[hits:], media)
+            if fetch is not None:
+                return fetch
+            extra = state.declined_tokens
+        if hits == 0:
+            return Match(declined_tokens=extra) if extra else NO_MATCH
+        restored = sum(len(t) for t in tokens[:hits])
+        mode = "swap" if preempted else "auto"  # a swap was already judged worth it
+        decision = self.planner.decide(restored, hits * self.block_bytes, mode)
+        if decision.choice == "recompute":
+            return Match(declined_tokens=restored + extra, decision=decision)
+        return Match(tuple(keys[:hits]), restored, extra, decision,
+                     fetched_from=state.fetched_from)
+
+    def _plan_fetch(self, state: _Request, keys: Sequence[BlockKey],
+                    tokens: Sequence[Sequence[int]], media: list[Medium]) -> Match | None:
+        assert self.below is not None
+        if not media:
+            return None
+        n = len(media)
+        via = Medium.REMOTE if Medium.REMOTE in media else Medium.DISK
+        decision = self.planner.decide(n * self.block_size, n * self.block_bytes, "auto",
+                                       via.value, via_nbytes=n * self.below.block_bytes)
+        if decision.choice == "recompute":
+            state.declined_tokens += n * self.block_size
+            return None
+        return Match(decision=decision, fetch_keys=tuple(keys[:n]),
+                     fetch_tokens=tuple(tuple(t) for t in tokens[:n]), fetch_media=tuple(media))
+
+    def fetch(self, request_id: str, match: Match) -> bool:
+        """Start bringing `match.fetch_keys` up to host; False if the host has no room (those
+        tokens are then recomputed, and counted so when the request is admitted)."""
+        assert self.below is not None and match.fetch_keys
+        predicted = match.decision.restore_s if match.decision is not None else None
+        if self.below.fetch(request_id, match.fetch_keys, match.fetch_tokens,
+                            match.fetch_media, predicted):
+            return True
+        self._requests[request_id].declined_tokens += len(match.fetch_keys) * self.block_size
+        return False
+
+    def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
+                  layerwise: bool = False) -> int | None:
+        """The request is admitted with `device_blocks` for `match.load_keys`: start the
+        load and return its job id (None when there is nothing to load)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.declined_tokens = 0  # counted once, by this admission
+        if self.below is not None:
+            self.below.release(request_id)  # the load takes pins of its own
+        if not match.load_keys:
+            return None
+        keys = list(match.load_keys)
+        slots = self.host.prepare_load(keys)
+        self.host.touch(keys)
+        job = Job(next(self._ids), Medium.HOST, Medium.DEVICE, tuple(slots),
+                  device_blocks=tuple(device_blocks), layerwise=layerwise)
+        predicted = match.decision.restore_s if match.decision is not None else None
+        self._add(_Pending(job, keys, request_id, predicted))
+        return job.id
+
+    def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
+        """The request finished or was aborted: forget its state and its swap entries."""
+        self._requests.pop(request_id, None)
+        if self.below is not None:
+            self.below.release(request_id)
+        self.forget(swap_keys)
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        """Drop a request's swap entries (pinned ones, still loading, are kept)."""
+        swap = [k for k in keys if is_swap_key(k)]
+        if swap:
+            self.host.remove(swap)
+
+    # -- store --------------------------------------------------------------------------
+
+    def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], demote: bool = False,
+              evict_first: bool = False) -> tuple[int, ...] | None:
+        """Copy the blocks the host lacks; returns the device blocks the job reads (the
+        client must keep each one alive until its StoreDone), or None if the host could not
+        make room (nothing changes)."""
+        if not keys:
+            return ()
+        prepared = self.host.prepare_store(keys, tokens)
+        if prepared is None:
+            self.stats.store_refused += 1
+            return None
+        if not prepared.keys:
+            return ()
+        where = dict(zip(keys, block_ids))
+        blocks = tuple(where[k] for k in prepared.keys)
+        job = Job(next(self._ids), Medium.DEVICE, Medium.HOST, tuple(prepared.slots),
+                  device_blocks=blocks)
+        self._add(_Pending(job, list(prepared.keys), demote=demote, evict_first=evict_first))
+        return blocks
+
+    def write_down_host(self) -> None:
+        """Every block complete on host that the disk lacks goes down (before a restart)."""
+        if self.below is not None:
+            self.below.write_down_host()
+
+    # -- jobs and results ---------------------------------------------------------------
+
+    def _add(self, pending: _Pending) -> None:
+        self._pending[pending.job.id] = pending
+        self._outbox.append(pending.job)
+
+    def take_jobs(self) -> list[Job]:
+        jobs, self._outbox = self._outbox, []
+        if self.below is not None:
+            jobs += self.below.take_jobs()
+        return jobs
+
+    def apply(self, results: Sequence[Result]) -> list[Event]:
+        """Apply finished jobs, in order; the events for the client."""
+        events: list[Event] = []
+        for result in results:
+            pending = self._pending.pop(result.job_id, None)
+            if pending is not None:
+                events.append(self._finish(pending, result))
+                continue
+            assert self.below is not None, f"result of unknown job {result.job_id}"
+            done = self.below.finish(result)
+            if done is not None:
+                self._fetched(done, result)
+                events.append(done)
+        return events
+
+    def _fetched(self, done: FetchDone, result: Result) -> None:
+        state = self._requests.get(done.request_id)
+        if state is not None:
+            state.fetched_from = done.source if done.fetched else None
+            state.declined_tokens += done.missed * self.block_size
+        if done.source is not None and result.nbytes:
+            self.planner.observe_tier(done.source.value, result.nbytes, result.seconds)
+
+    def _finish(self, pending: _Pending, result: Result) -> Event:
+        job, ok = pending.job, result.success
+        nbytes = job.num_blocks * self.block_bytes
+        if job.dst is Medium.HOST:
+            self.host.complete_store(pending.keys, ok)
+            if ok:
+                self.stats.stored_blocks += len(pending.keys)
+                self.stats.stored_bytes += nbytes
+                if self.below is not None:  # the second hop: host -> disk / remote
+                    self.below.host_stored([k for k in pending.keys if not is_swap_key(k)])
+            else:
+                self.stats.failed_stores += 1
+            return StoreDone(job.id, job.device_blocks, ok, pending.demote, pending.evict_first)
+        self.host.complete_load(pending.keys, ok)
+        swap = [k for k in pending.keys if is_swap_key(k)]
+        if swap:
+            self.host.remove(swap)  # a preempted sequence's own blocks serve it once
+        if ok and self.config.kv_write_policy == "write_back":
+            # Exclusive tiers: the device copy is now the one that counts and is written back
+            # when evicted, so the host slot is freed and the two pools add up in capacity.
+            self.host.remove(pending.keys)
+        if ok:
+            self.stats.loaded_blocks += len(pending.keys)
+            self.stats.loaded_bytes += nbytes
+            self.planner.observe_transfer(nbytes, result.seconds, pending.predicted_s)
+        else:
+            self.stats.failed_loads += 1
+        assert pending.request_id is not None
+        return LoadDone(pending.request_id, job.id, ok, len(pending.keys), nbytes,
+                        result.seconds)
+
+
+def job_ids() -> Iterator[int]:
+    """The one id counter a manager and its deeper tiers share."""
+    return itertools.count()
