@@ -90,7 +90,7 @@ class HostPool:
              available_bytes: int | None = None, encoding: str = "") -> HostPool:
         """Slots for the blocks of `device` (a layout, or kvtier's contiguous KV tensor),
         pinned when it lives on CUDA."""
-        layout = as_layout(device)
+        layout = _encodable(as_layout(device), encoding)
         return cls(num_slots, layout.block_shape, layout.dtype, pin_memory=layout.is_cuda,
                    available_bytes=available_bytes, encoding=encoding)
 
@@ -98,7 +98,7 @@ class HostPool:
     def from_size(cls, size_gib: float, device: KVLayout | torch.Tensor,
                   available_bytes: int | None = None, encoding: str = "") -> HostPool:
         """As many slots as fit in `size_gib` (the `kv_offloading_size` knob)."""
-        layout = as_layout(device)
+        layout = _encodable(as_layout(device), encoding)
         block_bytes = slot_nbytes(layout.block_shape, layout.dtype, encoding)
         size_bytes = size_gib * GIB
         check_fits(size_bytes, available_bytes)
@@ -136,6 +136,15 @@ class HostPool:
             "pinned_bytes": self.allocated_bytes if self.pinned else 0,
             "rss_growth_bytes": self.rss_growth_bytes,
         }
+
+
+def _encodable(layout: KVLayout, encoding: str) -> KVLayout:
+    """`layout`, or a ConfigError where an 8-bit encoding cannot read its blocks."""
+    if encoding and not layout.contiguous:
+        raise ConfigError(
+            f"kv_offload_dtype={encoding} encodes kvtier's own contiguous KV layout only "
+            f"(this one is {layout.describe()}); unset kv_offload_dtype")
+    return layout
 
 
 def slot_nbytes(block_shape: tuple[int, ...], dtype: torch.dtype, encoding: str = "") -> int:
