@@ -23,7 +23,7 @@ from kvtier.errors import ModelLoadError
 from kvtier.model.loaded import SUPPORTED_ARCHITECTURES as ARCHITECTURES
 from kvtier.model.loaded import LoadedModel, weights_digest
 from kvtier.model.spec import ModelSpec
-from kvtier.model.tokenizer import Tokenizer
+from kvtier.model.tokenizer import Tokenizer, byte_alphabet
 
 _PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these only
 _GLOBAL_NAMES = {
@@ -289,15 +289,6 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer:
         add_bos_token=add_bos,
         special_tokens=special,
     )
-
-
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte: printable Latin-1 stays, the rest move past 255."""
-    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    alphabet = {b: chr(b) for b in kept}
-    moved = [b for b in range(256) if b not in alphabet]
-    alphabet.update({b: chr(256 + n) for n, b in enumerate(moved)})
-    return alphabet
 
 
 def _byte_level(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:

@@ -11,7 +11,6 @@ import importlib.util
 from pathlib import Path
 
 from kvtier.errors import ModelLoadError
-from kvtier.model.gguf import load_gguf
 from kvtier.model.hf import load_hf_dir
 from kvtier.model.loaded import SUPPORTED_ARCHITECTURES, LoadedModel
 from kvtier.model.presets import PRESETS, load_preset
@@ -76,7 +75,9 @@ def check_loaded(model: LoadedModel) -> LoadedModel:
 
 
 def _load_path(path: Path) -> LoadedModel:
-    """Dispatch an existing path to the GGUF or Hugging Face backend."""
+    """Dispatch an existing path to the GGUF or Hugging Face backend (the gguf package is
+    imported only for a GGUF, so a machine without it still runs HF directories and presets)."""
+    from kvtier.model.gguf import load_gguf
 
     if path.is_file():
         if path.suffix.lower() != ".gguf":

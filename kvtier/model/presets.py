@@ -16,10 +16,9 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from kvtier.errors import ModelLoadError
-from kvtier.model.gguf import byte_alphabet
 from kvtier.model.loaded import LoadedModel
 from kvtier.model.spec import ModelSpec
-from kvtier.model.tokenizer import Tokenizer
+from kvtier.model.tokenizer import Tokenizer, byte_alphabet
 
 SEED = 1234
 VOCAB_SIZE = 384  # 256 byte tokens + specials, padded with reserved tokens

@@ -72,3 +72,12 @@ class Tokenizer:
     def digest(self) -> str:
         """Content digest of the full tokenizer definition, for the cache fingerprint."""
         return hashlib.blake2b(self.backend.to_str().encode(), digest_size=16).hexdigest()
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte: printable Latin-1 stays, the rest move past 255."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {b: chr(b) for b in kept}
+    moved = [b for b in range(256) if b not in alphabet]
+    alphabet.update({b: chr(256 + n) for n, b in enumerate(moved)})
+    return alphabet

@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.below import BelowHost
@@ -26,8 +27,10 @@ from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
 from kvtier.tier.worker.link import TransferEngine
 from kvtier.tier.worker.probes import measure_disk_gbps, measure_link, open_disk, remote_rate
-from kvtier.tier.worker.redis_store import RedisStore
 from kvtier.tier.worker.worker import TierWorker
+
+if TYPE_CHECKING:
+    from kvtier.tier.worker.redis_store import RedisStore
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
             calibration.tier_gbps[Medium.DISK.value] = min(rate, cap) if cap else rate
         remote_store = None
         if config.remote_enabled:
+            from kvtier.tier.worker.redis_store import RedisStore  # the client only if used
+
             remote_store = RedisStore(str(config.remote_kv_url), namespace,
                                       config.remote_kv_ttl_s)
             undo.callback(remote_store.close)

@@ -69,8 +69,12 @@ def copy_blocks(
         if layout.contiguous:
             # kv: [num_blocks, num_layers, *layer_block_shape]; both sides one memcpy
             pairs = [(layout.tensors[0][b : b + n], host[s : s + n])]
-        else:  # each layer's run is contiguous on the device, strided in the host slots
+        elif not non_blocking:  # a layer's run is contiguous on the device, strided on host
             pairs = [(t[b : b + n], host[s : s + n, layer])
+                     for layer, t in enumerate(layout.tensors)]
+        else:  # CUDA: contiguous pieces only (a strided pinned view would be staged through
+            # a pageable temporary), one per (block, layer)
+            pairs = [(t[b + i], host[s + i, layer]) for i in range(n)
                      for layer, t in enumerate(layout.tensors)]
         for dev, hst in pairs:
             if store:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,7 +38,10 @@ from kvtier.tier.worker.block_format import (
 )
 from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.redis_store import RedisStore, RemoteUnavailable
+from kvtier.tier.worker.unavailable import RemoteUnavailable
+
+if TYPE_CHECKING:
+    from kvtier.tier.worker.redis_store import RedisStore
 
 DISK, REMOTE = Medium.DISK, Medium.REMOTE
 # Redis round trips carry at most this many bytes: one huge MGET is slower to parse (measured

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.config import TierConfig
@@ -22,8 +23,11 @@ from kvtier.tier.worker.block_format import max_header_nbytes
 from kvtier.tier.worker.disk_store import DiskStore, round_up
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.redis_store import RedisStore, RemoteUnavailable
 from kvtier.tier.worker.spec import Direction, TransferSpec
+from kvtier.tier.worker.unavailable import RemoteUnavailable
+
+if TYPE_CHECKING:
+    from kvtier.tier.worker.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 

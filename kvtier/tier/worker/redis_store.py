@@ -23,6 +23,7 @@ from redis.exceptions import NoPermissionError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 ACCEPTED_URLS = ("redis://[[user]:password@]host[:port][/db], rediss://... (TLS) "
                  "or unix:///path/to/socket")
@@ -32,10 +33,6 @@ URL_QUERY_KEYS = frozenset({"db", "username", "password", "client_name", "ssl_ce
 NAMESPACE_BYTES = 16
 
 T = TypeVar("T")
-
-
-class RemoteUnavailable(KvtierError):
-    """The remote tier did not answer, timed out or failed: a miss, never a crash."""
 
 
 def mask_url(url: str) -> str:

@@ -14,17 +14,19 @@ submit until its result is delivered.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.tier.jobs import Job, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
-from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.io import TierIO
 from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.redis_store import RedisStore
 from kvtier.tier.worker.spec import Direction, TransferResult, TransferSpec, TransferStats
+
+if TYPE_CHECKING:  # the stores come with the tiers below host; Redis' client only with Redis
+    from kvtier.tier.worker.disk_store import DiskStore
+    from kvtier.tier.worker.io import TierIO
+    from kvtier.tier.worker.redis_store import RedisStore
 
 IO_WAIT_S = 1.0  # how long wait_any sleeps on the I/O thread before the caller looks again
 
