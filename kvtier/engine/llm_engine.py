@@ -17,7 +17,8 @@ from typing import Any
 
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.batch import SchedulerOutput
+from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier, TierClient
 from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel, load_model

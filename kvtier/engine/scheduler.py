@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.cache.block import Residency
@@ -25,40 +25,12 @@ from kvtier.cache.block_pool import BlockPool
 from kvtier.cache.kv_cache import KVCacheManager
 from kvtier.config import SchedulerConfig
 from kvtier.engine.admission import AdmissionPlan, plan_admission
+from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Sequence, SequenceStatus, SwapState
 from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, swap_key
 
 if TYPE_CHECKING:  # the tier client imports this module's ScheduledSeq
     from kvtier.engine.tier_client import NullTier, TierClient
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's work this step: compute tokens [start, start + num_new_tokens)."""
-
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    block_ids: list[int]
-    wait_ref: int | None = None  # a layerwise load the model must wait on, layer by layer
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last known token, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
 
 
 @dataclass

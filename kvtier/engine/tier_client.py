@@ -17,7 +17,7 @@ import torch
 
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
-from kvtier.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
 from kvtier.errors import ConfigError
 from kvtier.model.runner import ModelRunner
 from kvtier.sequence import SamplingParams

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from kvtier.config import EngineConfig
+from kvtier.engine.batch import ScheduledSeq
 from kvtier.engine.llm_engine import LLMEngine
-from kvtier.engine.scheduler import ScheduledSeq
 from kvtier.model.hf import spec_from_config
 from kvtier.model.loader import LoadedModel
 from kvtier.model.presets import byte_tokenizer
