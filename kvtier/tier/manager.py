@@ -18,9 +18,8 @@ a deeper tier's slots in theirs): neither is evicted nor handed out again.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.tier.below import BelowHost
 from kvtier.tier.config import TierConfig
@@ -55,14 +54,15 @@ NO_MATCH = Match()
 
 
 @dataclass
-class TierStats:
+class TransferCounts:
+    """Device <-> host jobs by outcome, monotonic (for LLM.stats() and /metrics)."""
+
     stored_blocks: int = 0
     loaded_blocks: int = 0
     stored_bytes: int = 0
     loaded_bytes: int = 0
     failed_stores: int = 0
     failed_loads: int = 0
-    demoted_blocks: int = 0  # idle blocks whose device copy was dropped (the client counts)
     store_refused: int = 0  # stores the host tier could not make room for
 
 
@@ -76,7 +76,6 @@ class _Pending:
     predicted_s: float | None = None
     demote: bool = False
     evict_first: bool = False
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -100,7 +99,7 @@ class TierManager:
         self.block_bytes = block_bytes  # bytes of one block across the host link
         self.below = below
         self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
-        self.stats = TierStats()
+        self.stats = TransferCounts()
         self._ids = ids
         self._pending: dict[int, _Pending] = {}
         self._outbox: list[Job] = []
@@ -120,10 +119,6 @@ class TierManager:
     def busy(self) -> bool:
         """A job decided or running, or a presence answer awaited."""
         return bool(self._pending) or (self.below is not None and self.below.busy)
-
-    @property
-    def pending_stores(self) -> int:
-        return sum(1 for p in self._pending.values() if p.job.dst is Medium.HOST)
 
     # -- match and load -----------------------------------------------------------------
 
