@@ -114,6 +114,15 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from kvtier.model.export import export_hf
+    from kvtier.model.loader import load_model
+
+    out = export_hf(load_model(args.model), args.out, args.dtype)
+    print(f"kvtier: wrote {out} (a Hugging Face model directory, {args.dtype})")
+    return 0
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -149,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--json", action="store_true")
     add_engine_args(selftest)
     selftest.set_defaults(func=_cmd_selftest)
+    export = sub.add_parser("export-hf", help="write the model as a Hugging Face directory "
+                            "(for vLLM): config.json, safetensors, tokenizer")
+    export.add_argument("--model", default=None, help="GGUF, HF directory or preset "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    export.add_argument("--out", required=True, help="a new directory to write")
+    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    export.set_defaults(func=_cmd_export_hf)
     return parser
 
 

@@ -14,7 +14,7 @@ the bytes side is imported only when first named, so bookkeeping alone never loa
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tier.config import SAFE_RAM_SHARE, TierConfig
+from kvtier.tier.config import SAFE_RAM_SHARE, TierConfig, host_slot_count
 from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
@@ -23,7 +23,7 @@ from kvtier.tier.manager import NO_MATCH, Match, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 
 if TYPE_CHECKING:
-    from kvtier.tier.wiring import Tier, build
+    from kvtier.tier.wiring import Tier, build, build_scheduler_side, build_worker_side
     from kvtier.tier.worker.worker import TierWorker
 
 __all__ = [
@@ -49,15 +49,18 @@ __all__ = [
     "TierManager",
     "TierWorker",
     "build",
+    "build_scheduler_side",
+    "build_worker_side",
     "hash_blocks",
+    "host_slot_count",
     "is_swap_key",
     "swap_key",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """The bytes side (torch) on first use: `build`, `Tier`, `TierWorker`."""
-    if name in ("Tier", "build"):
+    """The bytes side (torch) on first use: `build*`, `Tier`, `TierWorker`."""
+    if name in ("Tier", "build", "build_scheduler_side", "build_worker_side"):
         from kvtier.tier import wiring
 
         return getattr(wiring, name)

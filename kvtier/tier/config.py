@@ -11,6 +11,18 @@ from kvtier.errors import ConfigError
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
 SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
+GIB = 1024**3
+
+
+def host_slot_count(size_gib: float, slot_bytes: int) -> int:
+    """Slots a host pool of `size_gib` holds: one rule, so a scheduler that only counts
+    slots and a worker that allocates them (two processes under vLLM) always agree."""
+    num_slots = int(size_gib * GIB // slot_bytes)
+    if num_slots < 1:
+        raise ConfigError(
+            f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
+            f"{slot_bytes} bytes ({slot_bytes / GIB:.6f} GiB); raise it")
+    return num_slots
 WRITE_POLICIES = ("write_through", "write_back")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_MODES = ("async", "layerwise")

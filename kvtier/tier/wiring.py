@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.below import BelowHost
-from kvtier.tier.config import TierConfig
+from kvtier.tier.config import TierConfig, host_slot_count
 from kvtier.tier.index.disk import DiskTier
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.remote import RemotePresence, RemoteTier
 from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
-from kvtier.tier.planner import Planner
+from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
@@ -107,3 +107,33 @@ def _assemble(config: TierConfig, block_size: int, host: HostPool, link: Transfe
     return Tier(manager, worker, presence)
 
 
+def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
+                         calibration: Calibration) -> TierManager:
+    """The manager alone, for a client whose bytes live in another process (vLLM's
+    scheduler): a host index of exactly the slots `build_worker_side` will allocate."""
+    _host_only(config)
+    slots = host_slot_count(config.kv_offloading_size, block_nbytes)
+    return TierManager(config, block_size, HostTier(slots, config.eviction_policy),
+                       Planner(calibration), block_nbytes, None, job_ids())
+
+
+def build_worker_side(config: TierConfig, layout: KVLayout) -> TierWorker:
+    """The worker alone, over the KV memory the engine registered (vLLM's worker)."""
+    _host_only(config)
+    with ExitStack() as undo:
+        host = HostPool.from_size(config.kv_offloading_size, layout,
+                                  encoding=config.kv_offload_dtype or "")
+        undo.callback(host.release)
+        link = TransferEngine(layout, host, config.blocks_per_chunk,
+                              store_gbps=config.max_store_gbps)
+        undo.pop_all()
+    return TierWorker(host, link)
+
+
+def _host_only(config: TierConfig) -> None:
+    if not config.enabled:
+        raise ConfigError("the tier is off (kv_offloading_size=0); give it a size in GiB")
+    if config.disk_enabled or config.remote_enabled:
+        raise ConfigError(
+            "with the scheduler and the worker in two processes kvtier serves the host tier "
+            "only for now: unset disk_kv_path/disk_kv_size and remote_kv_url")

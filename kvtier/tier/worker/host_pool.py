@@ -23,11 +23,9 @@ from pathlib import Path
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.tier.config import SAFE_RAM_SHARE
+from kvtier.tier.config import GIB, SAFE_RAM_SHARE, host_slot_count
 from kvtier.tier.layout import KVLayout, as_layout
 from kvtier.tier.worker.codec import encoded_nbytes
-
-GIB = 1024**3
 
 
 def available_ram_bytes() -> int:
@@ -100,14 +98,8 @@ class HostPool:
         """As many slots as fit in `size_gib` (the `kv_offloading_size` knob)."""
         layout = _encodable(as_layout(device), encoding)
         block_bytes = slot_nbytes(layout.block_shape, layout.dtype, encoding)
-        size_bytes = size_gib * GIB
-        check_fits(size_bytes, available_bytes)
-        num_slots = int(size_bytes // block_bytes)
-        if num_slots < 1:
-            raise ConfigError(
-                f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
-                f"{block_bytes} bytes ({block_bytes / GIB:.6f} GiB); raise it"
-            )
+        check_fits(size_gib * GIB, available_bytes)
+        num_slots = host_slot_count(size_gib, block_bytes)
         return cls.like(layout, num_slots, available_bytes, encoding)
 
     def release(self) -> None:

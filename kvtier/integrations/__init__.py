@@ -1,0 +1,2 @@
+"""Other engines as clients of the tier library (`kvtier.tier`): each imports its engine
+only here, so plain `import kvtier` never imports vLLM."""

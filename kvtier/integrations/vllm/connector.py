@@ -1,0 +1,247 @@
+"""KvtierConnector: kvtier's tier under vLLM, through vLLM's KV-connector API (V1).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+      "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"kv_offloading_size": 4}}'
+
+Each hook is a few lines over the tier library: the scheduler process holds a
+`TierManager` (`SchedulerSide`), each worker process a `TierWorker` (`WorkerSide`), joined
+by this step's jobs in the connector metadata and their results in the worker metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.identity import weights_identity
+from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
+from kvtier.integrations.vllm.settings import check_vllm_version, tier_config
+from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
+from kvtier.tier import (
+    Calibration,
+    Fingerprint,
+    Job,
+    Result,
+    TierConfig,
+    build_scheduler_side,
+    host_slot_count,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# The planner's start before anything is observed: a modest memory copy and a modest
+# prefill. The link estimate is refined from every load the worker reports.
+PRIOR = Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
+FAULT_ENV = "KVTIER_INJECT_LOAD_FAILURES"  # tests: every host -> device load fails
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once a step: the jobs to run around this forward pass."""
+
+    jobs: tuple[Job, ...] = ()
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once a step: how those jobs ended."""
+
+    results: tuple[Result, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvtierWorkerMetadata)
+        return KvtierWorkerMetadata(self.results + other.results)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What both processes derive alike from vLLM's configuration."""
+
+    block_size: int
+    block_nbytes: int  # one block, all layers
+    expected: ExpectedLayout
+    fingerprint: Fingerprint
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_vllm_version(vllm.__version__)
+        self.config = tier_config(self._kv_transfer_config.kv_connector_extra_config)
+        plan = _plan(vllm_config, kv_cache_config, self.config)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._requests: dict[str, Request] = {}
+        self._blocks: dict[str, list[int]] = {}
+        if role is KVConnectorRole.SCHEDULER:
+            manager = build_scheduler_side(self.config, plan.block_size, plan.block_nbytes,
+                                           Calibration(**vars(PRIOR)))
+            self.scheduler = SchedulerSide(manager, plan.block_size, plan.fingerprint.namespace)
+        else:
+            self.worker = WorkerSide(self.config, plan.expected,
+                                     fail_loads=os.environ.get(FAULT_ENV) == "1")
+
+    # -- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        if request.mm_features or request.prompt_embeds is not None:
+            return 0, False  # multimodal or embedding prompts: never stored, never loaded
+        self._requests[request.request_id] = request
+        n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids,
+                                          _salt(request), num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        block_ids = list(blocks.get_block_ids()[0])
+        if request.request_id in self._requests:
+            self._blocks[request.request_id] = block_ids
+            self.scheduler.allocated(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._requests:
+                self._blocks[new.req_id] = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if rid not in self._blocks or new_ids is None:
+                continue
+            if rid in cached.resumed_req_ids:
+                self._blocks[rid] = list(new_ids[0])
+            else:
+                self._blocks[rid].extend(new_ids[0])
+        scheduled = [Scheduled(rid, self._blocks[rid], self._requests[rid].num_computed_tokens + n)
+                     for rid, n in scheduler_output.num_scheduled_tokens.items()
+                     if rid in self._requests and rid in self._blocks]
+        return KvtierMetadata(tuple(self.scheduler.step(scheduled)))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMetadata) and meta.results:
+            self.scheduler.apply(meta.results)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self._requests.pop(request.request_id, None)
+        self._blocks.pop(request.request_id, None)
+        params = self.scheduler.finished(request.request_id)
+        return False, params or None  # stores are done by now: the blocks may be freed
+
+    # -- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvtierMetadata):
+            self.worker.load(meta.jobs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole blocks are copied in wait_for_save, all layers at once
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvtierMetadata):
+                self.worker.save(meta.jobs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        results = self.worker.take_results()
+        return KvtierWorkerMetadata(tuple(results)) if results else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _salt(request: Request) -> str:
+    """A request's namespace beyond the engine's: its cache_salt and its LoRA adapter."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else ""
+    return f"{request.cache_salt or ''}\x00lora={lora}"
+
+
+def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+          config: TierConfig) -> _Plan:
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConfigError("kvtier's connector runs with tensor_parallel_size=1 and "
+                          "pipeline_parallel_size=1 for now; unset the parallel sizes")
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError("kvtier's connector needs one KV cache group (a plain decoder); set "
+                          "disable_hybrid_kv_cache_manager=True or use another model")
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    for name in ("num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, name):
+            raise ConfigError(f"kvtier's connector supports full attention KV, not "
+                              f"{type(spec).__name__}")
+    if getattr(spec, "sliding_window", None):
+        raise ConfigError("kvtier's connector does not support sliding-window attention yet")
+    if config.kv_offload_dtype:
+        raise ConfigError("kv_offload_dtype (8-bit demotion) is kvtier-engine only for now; "
+                          "unset it under vLLM")
+    platform = vllm.platforms.current_platform
+    if platform.device_type != "cpu":
+        raise ConfigError(f"kvtier's connector is tested on vLLM's CPU backend; this is "
+                          f"{platform.device_type} (its paged layout is not supported yet)")
+    block_size = int(spec.block_size)
+    # vLLM CPU: each layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    layer_block_shape = (int(spec.num_kv_heads), block_size, 2 * int(spec.head_size))
+    layers = len(group.layer_names)
+    dtype = spec.dtype
+    nbytes = layers * math.prod(layer_block_shape) * torch.empty((), dtype=dtype).element_size()
+    expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
+                              host_slot_count(config.kv_offloading_size, nbytes))
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    backend = (f"vllm-{vllm.__version__}-{platform.device_type}-"
+               f"{torch.backends.cpu.get_cpu_capability()}-per-layer-HBNC")
+    fingerprint = Fingerprint(
+        weights_digest=weights_identity(model.model, model.revision),
+        architecture=model.hf_config.to_json_string(use_diff=False),
+        kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}",
+        block_size=block_size,
+        tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV
+        attention_backend=backend,
+    )
+    return _Plan(block_size, nbytes, expected, fingerprint)

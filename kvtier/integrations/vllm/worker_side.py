@@ -1,0 +1,110 @@
+"""The connector's worker half: vLLM's registered KV tensors become a `KVLayout` under a
+`TierWorker`, and each step's jobs run around the forward pass. Copies are synchronous on
+CPU: loads finish before the forward pass reads them, stores before `wait_for_save` returns
+(so vLLM may free or reuse the blocks at once); both cost well under a millisecond a block.
+
+  register(kv_caches)   validate the tensors (shape, dtype, contiguity, one storage) against
+                        what the scheduler planned for, and allocate the host pool
+  load(jobs) / save(jobs)   run the step's host -> device / device -> host jobs
+  take_results()        for the scheduler (worker metadata); failed loads' blocks apart
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.tier import Job, KVLayout, Medium, Result, TierConfig, TierWorker, build_worker_side
+
+
+@dataclass(frozen=True)
+class ExpectedLayout:
+    """What the scheduler side planned for: vLLM CPU's per-layer paged cache."""
+
+    num_layers: int
+    num_blocks: int
+    layer_block_shape: tuple[int, ...]  # [num_kv_heads, block_size, 2 * head_size] on CPU
+    dtype: Any
+    host_slots: int
+
+    def check(self, layers: Mapping[str, Any]) -> KVLayout:
+        if len(layers) != self.num_layers:
+            raise ConfigError(f"vLLM registered {len(layers)} KV tensors, kvtier planned for "
+                              f"{self.num_layers} layers; refusing an unknown KV layout")
+        want = (self.num_blocks, *self.layer_block_shape)
+        for name, t in layers.items():
+            if tuple(t.shape) != want or t.dtype != self.dtype or not t.is_contiguous():
+                raise ConfigError(
+                    f"vLLM's KV tensor {name} is {tuple(t.shape)} {t.dtype} (contiguous="
+                    f"{t.is_contiguous()}); kvtier knows vLLM CPU's contiguous {want} "
+                    f"{self.dtype} layout only and refuses any other (fail closed)")
+        storages = {t.untyped_storage().data_ptr() for t in layers.values()}
+        if len(storages) != 1:
+            raise ConfigError(f"vLLM's KV tensors live in {len(storages)} allocations; kvtier "
+                              "knows the one-allocation layout of vLLM 0.32's CPU backend only")
+        return KVLayout.from_layers(layers)
+
+
+class WorkerSide:
+    """A TierWorker over vLLM's KV caches, run one step at a time."""
+
+    def __init__(self, config: TierConfig, expected: ExpectedLayout,
+                 fail_loads: bool = False) -> None:
+        self.config = config
+        self.expected = expected
+        self.fail_loads = fail_loads  # tests: every load is reported failed, nothing copied
+        self.worker: TierWorker | None = None
+        self._results: list[Result] = []
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        layout = self.expected.check(kv_caches)
+        worker = build_worker_side(self.config, layout)
+        if worker.host.num_slots != self.expected.host_slots:
+            worker.close()
+            raise ConfigError(f"the host pool holds {worker.host.num_slots} slots but the "
+                              f"scheduler planned {self.expected.host_slots}; refusing to run")
+        self.worker = worker
+
+    def load(self, jobs: Sequence[Job]) -> None:
+        """Host -> device jobs, complete before the forward pass reads the blocks."""
+        self._run([j for j in jobs if j.dst is Medium.DEVICE])
+
+    def save(self, jobs: Sequence[Job]) -> None:
+        """Device -> host jobs of blocks this step filled, complete before vLLM may reuse them."""
+        self._run([j for j in jobs if j.src is Medium.DEVICE])
+
+    def _run(self, jobs: Sequence[Job]) -> None:
+        if not jobs:
+            return
+        refusal = ("no KV caches registered" if self.worker is None
+                   else "injected" if self.fail_loads and jobs[0].dst is Medium.DEVICE else None)
+        if refusal is not None:  # every job fails, nothing is served
+            self._results += [Result.whole(j.id, j.num_blocks, False, 0, 0.0, refusal)
+                              for j in jobs]
+            self._load_errors.update(b for j in jobs if j.dst is Medium.DEVICE
+                                     for b in j.device_blocks)
+            return
+        assert self.worker is not None
+        for job in jobs:
+            self.worker.submit(job)
+        for job in jobs:
+            result = self.worker.wait(job.id)
+            self._results.append(result)
+            if job.dst is Medium.DEVICE and not result.success:
+                self._load_errors.update(job.device_blocks)
+
+    def take_results(self) -> list[Result]:
+        results, self._results = self._results, []
+        return results
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

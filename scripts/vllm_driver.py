@@ -1,0 +1,65 @@
+"""Runs one scenario against real vLLM (in the vLLM environment, `scripts/vllm_env.sh`) and
+prints one JSON line: the tokens, logprobs, cached tokens and kvtier's transfer params of
+each request. The connector's tests (tests/integrations) and benchmark run it as a subprocess.
+
+    .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON
+CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
+              "prompts": [[ids], ...], "max_tokens": 8}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MARK = "KVTIER_RESULT "  # vLLM logs to stdout too: the result is the line with this mark
+
+
+def main() -> int:
+    model, spec = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    block_size = spec.get("block_size", 128)
+    kv_bytes_per_block = spec["kv_bytes_per_block"]
+    kwargs = {}
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=spec["connector"],
+            kv_load_failure_policy=spec.get("policy", "recompute"))
+    start = time.perf_counter()
+    llm = LLM(model=model, enforce_eager=True, skip_tokenizer_init=True, dtype="bfloat16",
+              block_size=block_size, kv_cache_memory_bytes=spec["blocks"] * kv_bytes_per_block,
+              max_model_len=spec.get("max_model_len", 2048), max_num_seqs=4, seed=0,
+              disable_hybrid_kv_cache_manager=True, **kwargs)
+    started = time.perf_counter() - start
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=5,
+                            ignore_eos=True)
+    out = []
+    for ids in spec["prompts"]:
+        t = time.perf_counter()
+        try:
+            [r] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        except Exception as e:  # a request the engine failed: report it, keep serving
+            out.append({"error": f"{type(e).__name__}: {e}"[:500]})
+            continue
+        c = r.outputs[0]
+        out.append({
+            "tokens": list(c.token_ids),
+            "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs],
+            "cached": r.num_cached_tokens,
+            "kv_transfer_params": r.kv_transfer_params,
+            "finish_reason": c.finish_reason,
+            "seconds": time.perf_counter() - t,
+        })
+    print(MARK + json.dumps({"started_s": started, "results": out}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The vLLM connector's scheduler half, driven with plain values (no vLLM, no torch):
+vLLM's block size 4 here, a host of 8 slots, requests as token lists."""
+
+from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
+from kvtier.tier import Fingerprint, Medium, Result, TierConfig
+from kvtier.tier.index.host import HostTier
+from kvtier.tier.manager import TierManager, job_ids
+from kvtier.tier.planner import Calibration, Planner
+
+BS = 4
+FP = Fingerprint("w", "arch", "bf16", BS, "")
+
+
+def side(slots: int = 8) -> SchedulerSide:
+    cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
+    manager = TierManager(TierConfig(kv_offloading_size=1), BS, HostTier(slots), Planner(cal),
+                          1000, None, job_ids())
+    return SchedulerSide(manager, BS, FP.namespace)
+
+
+def finish_jobs(s: SchedulerSide, jobs, ok: bool = True) -> None:
+    s.apply([Result.whole(j.id, j.num_blocks, ok, 1000 * j.num_blocks, 1e-4) for j in jobs])
+
+
+def test_a_prompt_is_stored_as_it_is_computed_then_restored_for_the_next_request() -> None:
+    s = side()
+    prompt = list(range(10, 24))  # 14 tokens: 3 full blocks and a partial one
+    assert s.matched_tokens("a", prompt, "", 0) == 0
+    assert s.allocated("a", [1, 2, 3, 4], 0) is None
+    # step 1 computes 8 tokens (chunked prefill): blocks 0 and 1 become full -> stored
+    [store] = s.step([Scheduled("a", [1, 2, 3, 4], 8)])
+    assert (store.src, store.dst, store.device_blocks) == (Medium.DEVICE, Medium.HOST, (1, 2))
+    finish_jobs(s, [store])
+    # step 2 computes the rest: block 2 becomes full; the partial block 3 is never stored
+    [store] = s.step([Scheduled("a", [1, 2, 3, 4], 14)])
+    assert store.device_blocks == (3,)
+    finish_jobs(s, [store])
+    assert s.finished("a")["kvtier_restored_tokens"] == 0
+    # b has the same prompt plus a follow-up: vLLM's own cache has block 0 (4 tokens)
+    follow = [*prompt, 99, 98]  # 16 tokens: 3 full blocks may load, at least one token computes
+    assert s.matched_tokens("b", follow, "", 4) == 8  # blocks 1 and 2
+    job = s.allocated("b", [7, 8, 9, 10], 8)
+    # this step loads blocks 1-2 and computes the rest, which fills block 3: it is stored
+    load, store = s.step([Scheduled("b", [7, 8, 9, 10], 16)])
+    assert load.id == job and load.device_blocks == (8, 9) and load.dst is Medium.DEVICE
+    assert store.device_blocks == (10,) and store.dst is Medium.HOST
+    finish_jobs(s, [load, store])
+    params = s.finished("b")
+    assert params["kvtier_residency"] == "host" and params["kvtier_restored_tokens"] == 8
+
+
+def test_another_salt_or_other_tokens_never_hit() -> None:
+    s = side()
+    prompt = list(range(30, 43))
+    s.matched_tokens("a", prompt, "tenant-a", 0)
+    s.allocated("a", [1, 2, 3, 4], 0)
+    finish_jobs(s, s.step([Scheduled("a", [1, 2, 3, 4], 13)]))
+    s.finished("a")
+    assert s.matched_tokens("b", prompt, "tenant-b", 0) == 0
+    assert s.matched_tokens("c", [1, *prompt[1:]], "tenant-a", 0) == 0
+    assert s.matched_tokens("d", prompt, "tenant-a", 0) == 12
+
+
+def test_a_failed_store_is_not_a_hit_and_a_failed_load_is_not_counted_restored() -> None:
+    s = side()
+    prompt = list(range(50, 63))
+    s.matched_tokens("a", prompt, "", 0)
+    s.allocated("a", [1, 2, 3, 4], 0)
+    finish_jobs(s, s.step([Scheduled("a", [1, 2, 3, 4], 13)]), ok=False)
+    s.finished("a")
+    assert s.matched_tokens("b", prompt, "", 0) == 0
+    s.allocated("b", [1, 2, 3, 4], 0)
+    finish_jobs(s, s.step([Scheduled("b", [1, 2, 3, 4], 13)]))
+    s.finished("b")
+    assert s.matched_tokens("c", prompt, "", 0) == 12
+    s.allocated("c", [5, 6, 7, 8], 12)
+    finish_jobs(s, s.step([Scheduled("c", [5, 6, 7, 8], 13)]), ok=False)
+    assert s.finished("c")["kvtier_restored_tokens"] == 0
+    assert s.manager.host.stats.pinned == 0
+
+
+def test_vllm_taking_less_than_offered_loads_nothing() -> None:
+    s = side()
+    prompt = list(range(70, 83))
+    s.matched_tokens("a", prompt, "", 0)
+    s.allocated("a", [1, 2, 3, 4], 0)
+    finish_jobs(s, s.step([Scheduled("a", [1, 2, 3, 4], 13)]))
+    s.finished("a")
+    assert s.matched_tokens("b", prompt, "", 0) == 12
+    assert s.allocated("b", [5, 6, 7, 8], 4) is None
+    assert s.manager.host.stats.pinned == 0
