@@ -15,9 +15,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	bash scripts/redis.sh ensure
-	$(BIN)/ruff check kvtier tests benchmarks
+	bash scripts/vllm_env.sh .venv-vllm
+	$(BIN)/ruff check kvtier tests benchmarks scripts
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-vllm

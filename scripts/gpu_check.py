@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtier.tier import Job, KVLayout, Medium, TierWorker  # noqa: E402
-from kvtier.tier.worker.host_pool import HostPool  # noqa: E402
-from kvtier.tier.worker.link import TransferEngine  # noqa: E402
+from kvtier.tier import Job, KVLayout, Medium, TierWorker
+from kvtier.tier.worker.host_pool import HostPool
+from kvtier.tier.worker.link import TransferEngine
 
 # SmolLM2-135M's KV in bfloat16: 30 layers, 3 KV heads of 64, blocks of 16 tokens
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16

@@ -4,7 +4,10 @@ each request. The connector's tests (tests/integrations) and benchmark run it as
 
     .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON
 CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
-              "prompts": [[ids], ...], "max_tokens": 8}
+              "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
+              "kv_bytes_per_block": N}
+float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
+2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def main() -> int:
             kv_role="kv_both", kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy=spec.get("policy", "recompute"))
     start = time.perf_counter()
-    llm = LLM(model=model, enforce_eager=True, skip_tokenizer_init=True, dtype="bfloat16",
+    llm = LLM(model=model, enforce_eager=True, skip_tokenizer_init=True,
+              dtype=spec.get("dtype", "float32"),
               block_size=block_size, kv_cache_memory_bytes=spec["blocks"] * kv_bytes_per_block,
               max_model_len=spec.get("max_model_len", 2048), max_num_seqs=4, seed=0,
               disable_hybrid_kv_cache_manager=True, **kwargs)

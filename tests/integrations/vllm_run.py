@@ -13,8 +13,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DRIVER = ROOT / "scripts" / "vllm_driver.py"
-# SmolLM2-135M in bfloat16 on vLLM CPU, 128-token blocks: 30 layers x 3 KV heads x 128 x 2 x 64
-KV_BYTES_PER_BLOCK = 30 * 3 * 128 * 2 * 64 * 2
+# SmolLM2-135M in float32 on vLLM CPU, 128-token blocks: 30 layers x 3 KV heads x 128 x 2 x 64
+KV_BYTES_PER_BLOCK = 30 * 3 * 128 * 2 * 64 * 4
 MARK = "KVTIER_RESULT "
 
 

