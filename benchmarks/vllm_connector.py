@@ -36,8 +36,11 @@ MARK = "KVTIER_RESULT "  # the driver's result line (vLLM logs to stdout as well
 
 def drive(model: Path, spec: dict[str, Any]) -> dict[str, Any]:
     spec = {"kv_bytes_per_block": KV_BYTES_PER_BLOCK, **spec}
-    proc = subprocess.run([str(VLLM_PYTHON), str(DRIVER), str(model), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=1800)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:  # prompts outgrow argv
+        json.dump(spec, f)
+        f.flush()
+        proc = subprocess.run([str(VLLM_PYTHON), str(DRIVER), str(model), "@" + f.name],
+                              capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"vLLM driver failed ({proc.returncode})")

@@ -2,7 +2,7 @@
 prints one JSON line: the tokens, logprobs, cached tokens and kvtier's transfer params of
 each request. The connector's tests (tests/integrations) and benchmark run it as a subprocess.
 
-    .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON
+    .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON|@FILE
 CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
               "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
               "kv_bytes_per_block": N}
@@ -16,12 +16,14 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 MARK = "KVTIER_RESULT "  # vLLM logs to stdout too: the result is the line with this mark
 
 
 def main() -> int:
-    model, spec = sys.argv[1], json.loads(sys.argv[2])
+    model, arg = sys.argv[1], sys.argv[2]
+    spec = json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

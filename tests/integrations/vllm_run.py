@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,12 @@ MARK = "KVTIER_RESULT "
 def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str] | None = None,
              check: bool = True) -> subprocess.CompletedProcess[str]:
     spec = {"kv_bytes_per_block": KV_BYTES_PER_BLOCK, **spec}
-    proc = subprocess.run(
-        [str(python), str(DRIVER), str(model), json.dumps(spec)], capture_output=True,
-        text=True, timeout=900, cwd=ROOT, env={**os.environ, **(env or {})})
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:  # prompts outgrow argv
+        json.dump(spec, f)
+        f.flush()
+        proc = subprocess.run(
+            [str(python), str(DRIVER), str(model), "@" + f.name], capture_output=True,
+            text=True, timeout=900, cwd=ROOT, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
         raise AssertionError(f"vLLM driver exited {proc.returncode}")
