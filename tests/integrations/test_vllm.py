@@ -3,11 +3,13 @@ is cheap), SmolLM2-135M exported from the embedded GGUF. Every scenario checks t
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_run import results, run_vllm
+from vllm_run import VLLM_PYTHON, results, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -15,6 +17,26 @@ HOST = {"kv_offloading_size": 0.25}  # GiB: 45 blocks of 5.9 MB
 POOL = 24  # vLLM's own blocks
 PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 FULL = 7 * 128  # so every full block but the last can come from a cache
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    ready = VLLM_PYTHON.exists() and subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True).returncode == 0
+    if not ready:
+        why = f"no vLLM environment at {VLLM_PYTHON}; run bash scripts/vllm_env.sh"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.model.export import export_hf
+    from kvtier.model.loader import load_model
+
+    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
 
 
 def prompts(n_evictors: int = 4, seed: int = 0) -> list[list[int]]:
