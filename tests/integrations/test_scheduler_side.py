@@ -22,6 +22,15 @@ def finish_jobs(s: SchedulerSide, jobs, ok: bool = True) -> None:
     s.apply([Result.whole(j.id, j.num_blocks, ok, 1000 * j.num_blocks, 1e-4) for j in jobs])
 
 
+def serve(s: SchedulerSide, rid: str, prompt: list[int], salt: str = "",
+          ok: bool = True) -> None:
+    """One request with no hit: computed in one step, its full blocks stored, finished."""
+    s.matched_tokens(rid, prompt, salt, 0)
+    s.allocated(rid, [1, 2, 3, 4], 0)
+    finish_jobs(s, s.step([Scheduled(rid, [1, 2, 3, 4], len(prompt))]), ok=ok)
+    s.finished(rid)
+
+
 def test_a_prompt_is_stored_as_it_is_computed_then_restored_for_the_next_request() -> None:
     s = side()
     prompt = list(range(10, 24))  # 14 tokens: 3 full blocks and a partial one
@@ -52,10 +61,7 @@ def test_a_prompt_is_stored_as_it_is_computed_then_restored_for_the_next_request
 def test_another_salt_or_other_tokens_never_hit() -> None:
     s = side()
     prompt = list(range(30, 43))
-    s.matched_tokens("a", prompt, "tenant-a", 0)
-    s.allocated("a", [1, 2, 3, 4], 0)
-    finish_jobs(s, s.step([Scheduled("a", [1, 2, 3, 4], 13)]))
-    s.finished("a")
+    serve(s, "a", prompt, "tenant-a")
     assert s.matched_tokens("b", prompt, "tenant-b", 0) == 0
     assert s.matched_tokens("c", [1, *prompt[1:]], "tenant-a", 0) == 0
     assert s.matched_tokens("d", prompt, "tenant-a", 0) == 12
@@ -64,14 +70,9 @@ def test_another_salt_or_other_tokens_never_hit() -> None:
 def test_a_failed_store_is_not_a_hit_and_a_failed_load_is_not_counted_restored() -> None:
     s = side()
     prompt = list(range(50, 63))
-    s.matched_tokens("a", prompt, "", 0)
-    s.allocated("a", [1, 2, 3, 4], 0)
-    finish_jobs(s, s.step([Scheduled("a", [1, 2, 3, 4], 13)]), ok=False)
-    s.finished("a")
+    serve(s, "a", prompt, ok=False)
     assert s.matched_tokens("b", prompt, "", 0) == 0
-    s.allocated("b", [1, 2, 3, 4], 0)
-    finish_jobs(s, s.step([Scheduled("b", [1, 2, 3, 4], 13)]))
-    s.finished("b")
+    serve(s, "b", prompt)
     assert s.matched_tokens("c", prompt, "", 0) == 12
     s.allocated("c", [5, 6, 7, 8], 12)
     finish_jobs(s, s.step([Scheduled("c", [5, 6, 7, 8], 13)]), ok=False)
@@ -82,10 +83,7 @@ def test_a_failed_store_is_not_a_hit_and_a_failed_load_is_not_counted_restored()
 def test_vllm_taking_less_than_offered_loads_nothing() -> None:
     s = side()
     prompt = list(range(70, 83))
-    s.matched_tokens("a", prompt, "", 0)
-    s.allocated("a", [1, 2, 3, 4], 0)
-    finish_jobs(s, s.step([Scheduled("a", [1, 2, 3, 4], 13)]))
-    s.finished("a")
+    serve(s, "a", prompt)
     assert s.matched_tokens("b", prompt, "", 0) == 12
     assert s.allocated("b", [5, 6, 7, 8], 4) is None
     assert s.manager.host.stats.pinned == 0
