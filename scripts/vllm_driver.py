@@ -42,7 +42,8 @@ def main() -> int:
               dtype=spec.get("dtype", "float32"),
               block_size=block_size, kv_cache_memory_bytes=spec["blocks"] * kv_bytes_per_block,
               max_model_len=spec.get("max_model_len", 2048), max_num_seqs=4, seed=0,
-              disable_hybrid_kv_cache_manager=True, **kwargs)
+              disable_hybrid_kv_cache_manager=True,
+              disable_log_stats=not spec.get("metrics", False), **kwargs)
     started = time.perf_counter() - start
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=5,
                             ignore_eos=True)
@@ -63,7 +64,12 @@ def main() -> int:
             "finish_reason": c.finish_reason,
             "seconds": time.perf_counter() - t,
         })
-    print(MARK + json.dumps({"started_s": started, "results": out}), flush=True)
+    metrics = {}
+    if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it)
+        metrics = {m.name: m.value for m in llm.get_metrics()
+                   if m.name.startswith("vllm:kvtier") and hasattr(m, "value")}
+    print(MARK + json.dumps({"started_s": started, "results": out, "metrics": metrics}),
+          flush=True)
     return 0
 
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_run import VLLM_PYTHON, results, run_vllm
+from vllm_run import KV_BYTES_PER_BLOCK, VLLM_PYTHON, parse, results, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -59,9 +59,9 @@ def reference(vllm_python: Path, smollm2_hf: Path) -> list[dict]:
 
 def test_evicted_prefix_comes_back_from_kvtier_exactly(vllm_python: Path, smollm2_hf: Path,
                                                        reference: list[dict]) -> None:
-    out = results(run_vllm(vllm_python, smollm2_hf, {"connector": HOST, "blocks": POOL,
-                                                     "prompts": prompts()}))
-    first, again = out[0], out[-1]
+    run = parse(run_vllm(vllm_python, smollm2_hf, {"connector": HOST, "blocks": POOL,
+                                                   "prompts": prompts(), "metrics": True}).stdout)
+    first, again = run["results"][0], run["results"][-1]
     assert first["kv_transfer_params"]["kvtier_restored_tokens"] == 0
     assert again["kv_transfer_params"] == {**again["kv_transfer_params"],
                                            "kvtier_residency": "host",
@@ -70,16 +70,24 @@ def test_evicted_prefix_comes_back_from_kvtier_exactly(vllm_python: Path, smollm
     # a local prefix hit reads the same bytes through the same compute path: exact reference
     assert again["tokens"] == reference[-1]["tokens"]
     assert again["logprobs"] == reference[-1]["logprobs"]
+    # vLLM's own Prometheus metrics carry kvtier's counters (what `vllm serve` exports)
+    m = run["metrics"]
+    assert m["vllm:kvtier_restored_tokens"] == FULL and m["vllm:kvtier_failed_loads"] == 0
+    assert m["vllm:kvtier_stored_blocks"] == 5 * 8  # every full block of the five prompts
+    assert m["vllm:kvtier_restore_bytes"] == 7 * KV_BYTES_PER_BLOCK
 
 
 def test_failed_loads_recompute_with_identical_output(vllm_python: Path, smollm2_hf: Path,
                                                       reference: list[dict]) -> None:
-    proc = run_vllm(vllm_python, smollm2_hf,
-                    {"connector": HOST, "blocks": POOL, "prompts": prompts(),
-                     "policy": "recompute"}, env={"KVTIER_INJECT_LOAD_FAILURES": "1"})
-    again = results(proc)[-1]
+    run = parse(run_vllm(vllm_python, smollm2_hf,
+                         {"connector": HOST, "blocks": POOL, "prompts": prompts(),
+                          "policy": "recompute", "metrics": True},
+                         env={"KVTIER_INJECT_LOAD_FAILURES": "1"}).stdout)
+    again = run["results"][-1]
     assert again["kv_transfer_params"]["kvtier_restored_tokens"] == 0
     assert again["tokens"] == reference[-1]["tokens"]
+    assert run["metrics"]["vllm:kvtier_failed_loads"] == 1
+    assert run["metrics"]["vllm:kvtier_restored_tokens"] == 0
 
 
 def test_failed_load_under_fail_policy_fails_that_request_and_vllm_serves_on(

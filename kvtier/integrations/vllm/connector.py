@@ -29,6 +29,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.identity import weights_identity
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.integrations.vllm.settings import check_vllm_version, tier_config
+from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
 from kvtier.tier import (
     Calibration,
@@ -153,6 +154,23 @@ class KvtierConnector(KVConnectorBase_V1):
         self._blocks.pop(request.request_id, None)
         params = self.scheduler.finished(request.request_id)
         return False, params or None  # stores are done by now: the blocks may be freed
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        """Scheduler side: kvtier's counters since the last step (worker side: none)."""
+        if self.scheduler is None:
+            return None
+        data = self.scheduler.take_stats()
+        return KvtierStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side --------------------------------------------------------------------
 

@@ -8,14 +8,16 @@ its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierMa
                                                       above, stores of newly full blocks
   apply(results)                                   the worker's results (slots unpinned)
   finished(request)                                -> what the caller is told
+  take_stats()                                     -> counters since the last call
 Only whole blocks are keyed, never a request's last partial block; vLLM's null block 0 is
 never one of ours (vLLM never hands it to a request).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.tier import (
@@ -61,6 +63,9 @@ class SchedulerSide:
         self.block_size = block_size
         self.namespace = namespace  # salt (cache_salt, LoRA) -> the chain's seed
         self.requests: dict[str, _Request] = {}
+        self._counts: Counter[str] = Counter()  # since the last take_stats
+        self._restoring: dict[int, int] = {}  # load job -> tokens it restores
+        self._reported = asdict(manager.stats)
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
                        num_computed: int) -> int | None:
@@ -78,6 +83,8 @@ class SchedulerSide:
         if match is None:
             return None
         st.match, st.local_blocks = match, d
+        self._counts["lookup_tokens"] += (last - d) * bs
+        self._counts["declined_tokens"] += match.declined_tokens
         return match.restored_tokens if match.load_keys else 0
 
     def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> int | None:
@@ -91,6 +98,8 @@ class SchedulerSide:
         if external and external != match.restored_tokens:
             match, n = NO_MATCH, 0  # vLLM took less than offered: load nothing, recompute
         job = self.manager.allocated(request_id, match, list(block_ids[d:d + n]))
+        if job is not None:
+            self._restoring[job] = match.restored_tokens
         st.stored = max(st.stored, d + n)
         st.restored_tokens += match.restored_tokens if n else 0
         st.match = NO_MATCH
@@ -117,16 +126,26 @@ class SchedulerSide:
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
             if isinstance(event, LoadDone):
+                tokens = self._restoring.pop(event.job_id, 0)
+                if event.success:
+                    self._counts["restored_tokens"] += tokens
+                    self._counts["restore_seconds"] += event.seconds
                 st = self.requests.get(event.request_id)
                 if st is not None:
                     st.restore_s += event.seconds
                     st.load_failed = st.load_failed or not event.success
 
-    def preempted(self, request_id: str) -> None:
-        """vLLM freed the request's blocks: what it stores next starts from scratch."""
-        st = self.requests.get(request_id)
-        if st is not None:
-            st.stored = 0
+    def take_stats(self) -> dict[str, float]:
+        """What happened since the last call (vLLM sums the reports)."""
+        now = asdict(self.manager.stats)
+        delta = {key: now[key] - self._reported[key] for key in now}
+        self._reported = now
+        counts, self._counts = self._counts, Counter()
+        out = {**counts, "restore_bytes": delta["loaded_bytes"],
+               "failed_loads": delta["failed_loads"], "stored_blocks": delta["stored_blocks"],
+               "stored_bytes": delta["stored_bytes"], "failed_stores": delta["failed_stores"],
+               "store_refused": delta["store_refused"]}
+        return {key: value for key, value in out.items() if value}
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what kvtier did for it (vLLM's kv_transfer_params)."""
