@@ -55,15 +55,9 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
     `namespace`: the fingerprint digest every block below host carries; `block_size`:
     tokens per block; `prefill_tokens_per_s`: the client's measured prefill speed, the
     planner's starting recompute estimate."""
-    if not config.enabled:
-        raise ConfigError("the tier is off (kv_offloading_size=0); give it a size in GiB")
+    _enabled(config)
     with ExitStack() as undo:  # anything opened is closed again if a later step fails
-        host = HostPool.from_size(config.kv_offloading_size, layout,
-                                  encoding=config.kv_offload_dtype or "")
-        undo.callback(host.release)
-        link = TransferEngine(layout, host, config.blocks_per_chunk,
-                              store_gbps=config.max_store_gbps)
-        undo.callback(link.close)
+        host, link = _host_and_link(config, layout, undo)
         calibration = measure_link(link, host, prefill_tokens_per_s)
         disk_store, disk_tier = None, None
         if config.disk_enabled:
@@ -121,18 +115,30 @@ def build_worker_side(config: TierConfig, layout: KVLayout) -> TierWorker:
     """The worker alone, over the KV memory the engine registered (vLLM's worker)."""
     _host_only(config)
     with ExitStack() as undo:
-        host = HostPool.from_size(config.kv_offloading_size, layout,
-                                  encoding=config.kv_offload_dtype or "")
-        undo.callback(host.release)
-        link = TransferEngine(layout, host, config.blocks_per_chunk,
-                              store_gbps=config.max_store_gbps)
+        host, link = _host_and_link(config, layout, undo)
         undo.pop_all()
     return TierWorker(host, link)
 
 
-def _host_only(config: TierConfig) -> None:
+def _host_and_link(config: TierConfig, layout: KVLayout, undo: ExitStack
+                   ) -> tuple[HostPool, TransferEngine]:
+    """The host pool and the device link over it, both undone by `undo` on a failure."""
+    host = HostPool.from_size(config.kv_offloading_size, layout,
+                              encoding=config.kv_offload_dtype or "")
+    undo.callback(host.release)
+    link = TransferEngine(layout, host, config.blocks_per_chunk,
+                          store_gbps=config.max_store_gbps)
+    undo.callback(link.close)
+    return host, link
+
+
+def _enabled(config: TierConfig) -> None:
     if not config.enabled:
         raise ConfigError("the tier is off (kv_offloading_size=0); give it a size in GiB")
+
+
+def _host_only(config: TierConfig) -> None:
+    _enabled(config)
     if config.disk_enabled or config.remote_enabled:
         raise ConfigError(
             "with the scheduler and the worker in two processes kvtier serves the host tier "
