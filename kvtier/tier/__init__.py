@@ -23,7 +23,13 @@ from kvtier.tier.manager import NO_MATCH, Match, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 
 if TYPE_CHECKING:
-    from kvtier.tier.wiring import Tier, build, build_scheduler_side, build_worker_side
+    from kvtier.tier.wiring import (
+        SchedulerTier,
+        Tier,
+        build,
+        build_scheduler_side,
+        build_worker_side,
+    )
     from kvtier.tier.worker.worker import TierWorker
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "Medium",
     "Planner",
     "Result",
+    "SchedulerTier",
     "StoreDone",
     "Tier",
     "TierConfig",
@@ -60,7 +67,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """The bytes side (torch) on first use: `build*`, `Tier`, `TierWorker`."""
-    if name in ("Tier", "build", "build_scheduler_side", "build_worker_side"):
+    if name in ("SchedulerTier", "Tier", "build", "build_scheduler_side", "build_worker_side"):
         from kvtier.tier import wiring
 
         return getattr(wiring, name)

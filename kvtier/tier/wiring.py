@@ -7,6 +7,7 @@ the tiers' read rates are probed, then the planner, the indexes and the manager 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +23,16 @@ from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
-from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
 from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.probes import measure_disk_gbps, measure_link, open_disk, remote_rate
+from kvtier.tier.worker.probes import (
+    measure_disk_gbps,
+    measure_link,
+    open_disk,
+    read_disk_index,
+    remote_rate,
+)
 from kvtier.tier.worker.worker import TierWorker
 
 if TYPE_CHECKING:
@@ -63,61 +69,117 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
         if config.disk_enabled:
             disk_store, disk_tier = open_disk(config, host, namespace, block_size)
             undo.callback(disk_store.close)
-            rate = config.disk_kv_read_gbps or measure_disk_gbps(
-                Path(str(config.disk_kv_path)), host.slot_bytes)
-            cap = config.disk_kv_max_gbps
-            calibration.tier_gbps[Medium.DISK.value] = min(rate, cap) if cap else rate
-        remote_store = None
-        if config.remote_enabled:
-            from kvtier.tier.worker.redis_store import RedisStore  # the client only if used
-
-            remote_store = RedisStore(str(config.remote_kv_url), namespace,
-                                      config.remote_kv_ttl_s)
-            undo.callback(remote_store.close)
+            calibration.tier_gbps[Medium.DISK.value] = _disk_rate(config, host.slot_bytes)
+        remote_store = _open_remote(config, namespace, undo)
+        if remote_store is not None:
             calibration.tier_gbps[Medium.REMOTE.value] = remote_rate(
                 remote_store, host.slot_bytes, config.remote_kv_read_gbps)
-        tier = _assemble(config, block_size, host, link, Planner(calibration), namespace,
-                         disk_store, disk_tier, remote_store)
+        ids = job_ids()
+        host_tier = HostTier(host.num_slots, config.eviction_policy)
+        presence = RemotePresence(remote_store.exists_many) if remote_store else None
+        below = _below(host_tier, disk_tier, presence, host.slot_bytes, ids, host.encoding)
+        io = None
+        if below is not None:
+            io = TierIO(host, namespace, disk_store, remote_store,
+                        disk_max_gbps=config.disk_kv_max_gbps)
+        manager = TierManager(config, block_size, host_tier, Planner(calibration),
+                              link.layout.block_nbytes, below, ids)
+        tier = Tier(manager, TierWorker(host, link, io, disk_store, remote_store), presence)
         undo.pop_all()
     return tier
 
 
-def _assemble(config: TierConfig, block_size: int, host: HostPool, link: TransferEngine,
-              planner: Planner, namespace: bytes, disk_store: DiskStore | None,
-              disk_tier: DiskTier | None, remote_store: RedisStore | None) -> Tier:
-    ids = job_ids()
-    host_tier = HostTier(host.num_slots, config.eviction_policy)
-    presence = RemotePresence(remote_store.exists_many) if remote_store is not None else None
-    below = io = None
-    if disk_tier is not None or presence is not None:
-        remote_tier = RemoteTier(presence) if presence is not None else None
-        below = BelowHost(host_tier, disk_tier, remote_tier, host.slot_bytes, ids,
-                          host.encoding)
-        io = TierIO(host, namespace, disk_store, remote_store,
-                    disk_max_gbps=config.disk_kv_max_gbps)
-    manager = TierManager(config, block_size, host_tier, planner, link.layout.block_nbytes,
-                          below, ids)
-    worker = TierWorker(host, link, io, disk_store, remote_store)
-    return Tier(manager, worker, presence)
+@dataclass(frozen=True)
+class SchedulerTier:
+    """The bookkeeping half, for a client whose bytes live in another process."""
+
+    manager: TierManager
+    presence: RemotePresence | None = None
+    remote: RedisStore | None = None  # the presence thread's own connection
+
+    def close(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
-                         calibration: Calibration) -> TierManager:
-    """The manager alone, for a client whose bytes live in another process (vLLM's
-    scheduler): a host index of exactly the slots `build_worker_side` will allocate."""
-    _host_only(config)
-    slots = host_slot_count(config.kv_offloading_size, block_nbytes)
-    return TierManager(config, block_size, HostTier(slots, config.eviction_policy),
-                       Planner(calibration), block_nbytes, None, job_ids())
+                         calibration: Calibration, namespace: bytes) -> SchedulerTier:
+    """The manager alone (vLLM's scheduler): a host index of exactly the slots
+    `build_worker_side` will allocate, the disk index read from the file the worker owns,
+    and Redis asked for presence only. The tiers' read rates are measured here, where the
+    planner lives. Exact blocks only: 8-bit host slots need the pool in this process."""
+    _enabled(config)
+    if config.kv_offload_dtype:
+        raise ConfigError("kv_offload_dtype (8-bit host slots) needs the scheduler and the "
+                          "worker in one process; unset it")
+    with ExitStack() as undo:
+        disk_tier = None
+        if config.disk_enabled:
+            disk_tier = read_disk_index(config, block_nbytes, "", namespace, block_size)
+            calibration.tier_gbps[Medium.DISK.value] = _disk_rate(config, block_nbytes)
+        remote_store = _open_remote(config, namespace, undo)
+        if remote_store is not None:
+            calibration.tier_gbps[Medium.REMOTE.value] = remote_rate(
+                remote_store, block_nbytes, config.remote_kv_read_gbps)
+        ids = job_ids()
+        host_tier = HostTier(host_slot_count(config.kv_offloading_size, block_nbytes),
+                             config.eviction_policy)
+        presence = RemotePresence(remote_store.exists_many) if remote_store else None
+        below = _below(host_tier, disk_tier, presence, block_nbytes, ids, "")
+        manager = TierManager(config, block_size, host_tier, Planner(calibration),
+                              block_nbytes, below, ids)
+        side = SchedulerTier(manager, presence, remote_store)
+        undo.pop_all()
+    return side
 
 
-def build_worker_side(config: TierConfig, layout: KVLayout) -> TierWorker:
-    """The worker alone, over the KV memory the engine registered (vLLM's worker)."""
-    _host_only(config)
+def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
+                      block_size: int) -> TierWorker:
+    """The worker alone, over the KV memory the engine registered (vLLM's worker): it owns
+    the host pool, the disk file (opened, locked, its bad slots invalidated) and the Redis
+    connection its I/O thread reads and writes through."""
+    _enabled(config)
     with ExitStack() as undo:
         host, link = _host_and_link(config, layout, undo)
+        disk_store = None
+        if config.disk_enabled:
+            disk_store, _ = open_disk(config, host, namespace, block_size)
+            undo.callback(disk_store.close)
+        remote_store = _open_remote(config, namespace, undo)
+        io = None
+        if disk_store is not None or remote_store is not None:
+            io = TierIO(host, namespace, disk_store, remote_store,
+                        disk_max_gbps=config.disk_kv_max_gbps)
         undo.pop_all()
-    return TierWorker(host, link)
+    return TierWorker(host, link, io, disk_store, remote_store)
+
+
+def _below(host: HostTier, disk: DiskTier | None, presence: RemotePresence | None,
+           slot_bytes: int, ids: Iterator[int], encoding: str) -> BelowHost | None:
+    if disk is None and presence is None:
+        return None
+    remote = RemoteTier(presence) if presence is not None else None
+    return BelowHost(host, disk, remote, slot_bytes, ids, encoding)
+
+
+def _disk_rate(config: TierConfig, slot_bytes: int) -> float:
+    """The disk tier's read rate for the planner: configured, else measured; capped."""
+    rate = config.disk_kv_read_gbps or measure_disk_gbps(Path(str(config.disk_kv_path)),
+                                                         slot_bytes)
+    cap = config.disk_kv_max_gbps
+    return min(rate, cap) if cap else rate
+
+
+def _open_remote(config: TierConfig, namespace: bytes, undo: ExitStack) -> RedisStore | None:
+    if not config.remote_enabled:
+        return None
+    from kvtier.tier.worker.redis_store import RedisStore  # the client only if used
+
+    store = RedisStore(str(config.remote_kv_url), namespace, config.remote_kv_ttl_s)
+    undo.callback(store.close)
+    return store
 
 
 def _host_and_link(config: TierConfig, layout: KVLayout, undo: ExitStack
@@ -135,11 +197,3 @@ def _host_and_link(config: TierConfig, layout: KVLayout, undo: ExitStack
 def _enabled(config: TierConfig) -> None:
     if not config.enabled:
         raise ConfigError("the tier is off (kv_offloading_size=0); give it a size in GiB")
-
-
-def _host_only(config: TierConfig) -> None:
-    _enabled(config)
-    if config.disk_enabled or config.remote_enabled:
-        raise ConfigError(
-            "with the scheduler and the worker in two processes kvtier serves the host tier "
-            "only for now: unset disk_kv_path/disk_kv_size and remote_kv_url")

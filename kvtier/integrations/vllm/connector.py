@@ -2,11 +2,15 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
       "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"kv_offloading_size": 4}}'
+      "kv_connector_extra_config": {"kv_offloading_size": 4, "disk_kv_path": "/var/cache/kvtier",
+                                    "disk_kv_size": 100, "remote_kv_url": "redis://host:6379/0"}}'
 
 Each hook is a few lines over the tier library: the scheduler process holds a
-`TierManager` (`SchedulerSide`), each worker process a `TierWorker` (`WorkerSide`), joined
-by this step's jobs in the connector metadata and their results in the worker metadata.
+`TierManager` (`SchedulerSide`: the host, disk and Redis indexes and the planner), each
+worker process a `TierWorker` (`WorkerSide`: the host pool, the disk file, the Redis I/O),
+joined by this step's jobs in the connector metadata and their results in the worker
+metadata. vLLM keeps stepping while jobs are outstanding (`has_pending_push_work`), so the
+write-on of a finished request's blocks to disk and Redis lands even when nothing follows.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kvtier.tier import (
     Fingerprint,
     Job,
     Result,
+    SchedulerTier,
     TierConfig,
     build_scheduler_side,
     host_slot_count,
@@ -83,6 +88,11 @@ class _Plan:
     expected: ExpectedLayout
     fingerprint: Fingerprint
 
+    @property
+    def namespace(self) -> bytes:
+        """What every block below host carries: a block of another fingerprint is refused."""
+        return self.fingerprint.namespace()
+
 
 class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -91,17 +101,19 @@ class KvtierConnector(KVConnectorBase_V1):
         check_vllm_version(vllm.__version__)
         self.config = tier_config(self._kv_transfer_config.kv_connector_extra_config)
         plan = _plan(vllm_config, kv_cache_config, self.config)
+        self.tier: SchedulerTier | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}
         if role is KVConnectorRole.SCHEDULER:
-            manager = build_scheduler_side(self.config, plan.block_size, plan.block_nbytes,
-                                           Calibration(**vars(PRIOR)))
-            self.scheduler = SchedulerSide(manager, plan.block_size, plan.fingerprint.namespace)
+            self.tier = build_scheduler_side(self.config, plan.block_size, plan.block_nbytes,
+                                             Calibration(**vars(PRIOR)), plan.namespace)
+            self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
+                                           plan.fingerprint.namespace)
         else:
-            self.worker = WorkerSide(self.config, plan.expected,
-                                     fail_loads=os.environ.get(FAULT_ENV) == "1")
+            self.worker = WorkerSide(self.config, plan.expected, plan.namespace,
+                                     plan.block_size, fail_loads=os.environ.get(FAULT_ENV) == "1")
 
     # -- scheduler side -----------------------------------------------------------------
 
@@ -154,6 +166,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._blocks.pop(request.request_id, None)
         params = self.scheduler.finished(request.request_id)
         return False, params or None  # stores are done by now: the blocks may be freed
+
+    def has_pending_push_work(self) -> bool:
+        """Jobs decided or running (writes on to disk and Redis): keep vLLM stepping."""
+        return self.scheduler is not None and self.scheduler.busy
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """Scheduler side: kvtier's counters since the last step (worker side: none)."""
@@ -210,6 +226,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.tier is not None:
+            self.tier.close()
 
 
 def _salt(request: Request) -> str:

@@ -1,14 +1,19 @@
 """The connector's scheduler half, over plain values (request ids, token ids, block ids), so
 its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierManager`.
 
-  matched_tokens(request, tokens, salt, computed)  -> tokens the host tier can restore
-                                                      (None: ask again next step)
+  matched_tokens(request, tokens, salt, computed)  -> tokens kvtier can restore (None: ask
+                                                      again next step: a Redis presence
+                                                      answer or a fetch to host is pending)
   allocated(request, block_ids, external)          -> the load job, if vLLM took the match
   step(scheduled)                                  -> the jobs of this step: loads decided
                                                       above, stores of newly full blocks
   apply(results)                                   the worker's results (slots unpinned)
   finished(request)                                -> what the caller is told
   take_stats()                                     -> counters since the last call
+  busy                                             jobs decided or running (vLLM keeps
+                                                   stepping until the writes below host land)
+A prefix below host (disk, Redis) is fetched into host slots and verified before any token
+is promised to vLLM, so a corrupt or vanished block is a miss, never a load error.
 Only whole blocks are keyed, never a request's last partial block; vLLM's null block 0 is
 never one of ours (vLLM never hands it to a request).
 """
@@ -17,12 +22,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tier import (
     NO_MATCH,
     BlockKey,
+    FetchDone,
     Job,
     LoadDone,
     Match,
@@ -52,6 +58,8 @@ class _Request:
     restored_tokens: int = 0
     restore_s: float = 0.0
     load_failed: bool = False
+    fetching: bool = False  # a fetch from disk or Redis into host slots is on its way
+    residency: str = "none"  # where the restored state lived: host, disk or remote
 
 
 class SchedulerSide:
@@ -65,12 +73,14 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self._counts: Counter[str] = Counter()  # since the last take_stats
         self._restoring: dict[int, int] = {}  # load job -> tokens it restores
-        self._reported = asdict(manager.stats)
+        self._reported = self._totals()
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
                        num_computed: int) -> int | None:
-        """Tokens after vLLM's own `num_computed` that kvtier's host tier can restore."""
+        """Tokens after vLLM's own `num_computed` that kvtier can restore from host."""
         st = self._state(request_id, tokens, salt)
+        if st.fetching:
+            return None
         bs = self.block_size
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
@@ -80,6 +90,11 @@ class SchedulerSide:
         keys = self._keys(st, last)
         chunks = [tokens[i * bs:(i + 1) * bs] for i in range(d, last)]
         match = self.manager.match(request_id, keys[d:last], chunks)
+        if match is not None and match.fetch_keys:
+            if self.manager.fetch(request_id, match):
+                st.fetching = True
+                return None
+            match = self.manager.match(request_id, keys[d:last], chunks)  # host room ran out
         if match is None:
             return None
         st.match, st.local_blocks = match, d
@@ -101,7 +116,10 @@ class SchedulerSide:
         if job is not None:
             self._restoring[job] = match.restored_tokens
         st.stored = max(st.stored, d + n)
-        st.restored_tokens += match.restored_tokens if n else 0
+        if n:
+            st.restored_tokens += match.restored_tokens
+            residency = match.residency
+            st.residency = residency.value if residency is not None else "host"
         st.match = NO_MATCH
         return job
 
@@ -123,9 +141,17 @@ class SchedulerSide:
             st.stored = full  # a store the host refused is not retried: it is a future miss
         return self.manager.take_jobs()
 
+    @property
+    def busy(self) -> bool:
+        return self.manager.busy
+
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
-            if isinstance(event, LoadDone):
+            if isinstance(event, FetchDone):
+                st = self.requests.get(event.request_id)
+                if st is not None:
+                    st.fetching = False  # asked again next step: the host holds what verified
+            elif isinstance(event, LoadDone):
                 tokens = self._restoring.pop(event.job_id, 0)
                 if event.success:
                     self._counts["restored_tokens"] += tokens
@@ -136,16 +162,34 @@ class SchedulerSide:
                     st.load_failed = st.load_failed or not event.success
 
     def take_stats(self) -> dict[str, float]:
-        """What happened since the last call (vLLM sums the reports)."""
-        now = asdict(self.manager.stats)
-        delta = {key: now[key] - self._reported[key] for key in now}
+        """What happened since the last call (vLLM sums the reports). Keys with a tier (and a
+        reason) carry them after '|': `fetched_blocks|disk`, `miss_blocks|disk|checksum`."""
+        now = self._totals()
+        delta = {key: value - self._reported.get(key, 0) for key, value in now.items()}
         self._reported = now
         counts, self._counts = self._counts, Counter()
-        out = {**counts, "restore_bytes": delta["loaded_bytes"],
-               "failed_loads": delta["failed_loads"], "stored_blocks": delta["stored_blocks"],
-               "stored_bytes": delta["stored_bytes"], "failed_stores": delta["failed_stores"],
-               "store_refused": delta["store_refused"]}
-        return {key: value for key, value in out.items() if value}
+        return {key: value for key, value in {**counts, **delta}.items() if value}
+
+    def _totals(self) -> dict[str, float]:
+        """The manager's monotonic counters, by the names vLLM's metrics carry."""
+        s = self.manager.stats
+        out: dict[str, float] = {
+            "restore_bytes": s.loaded_bytes, "failed_loads": s.failed_loads,
+            "stored_blocks": s.stored_blocks, "stored_bytes": s.stored_bytes,
+            "failed_stores": s.failed_stores, "store_refused": s.store_refused}
+        below = self.manager.below
+        if below is not None:
+            b = below.stats
+            for name, counter in (("written_blocks", b.written),
+                                  ("written_bytes", b.written_bytes),
+                                  ("write_failures", b.write_failures),
+                                  ("fetched_blocks", b.fetched),
+                                  ("fetched_bytes", b.fetched_bytes)):
+                out.update({f"{name}|{tier}": n for tier, n in counter.items()})
+            for label, n in b.misses.items():  # "tier:reason"
+                tier, _, reason = label.partition(":")
+                out[f"miss_blocks|{tier}|{reason}"] = n
+        return out
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what kvtier did for it (vLLM's kv_transfer_params)."""
@@ -154,7 +198,7 @@ class SchedulerSide:
         if st is None:
             return {}
         restored = 0 if st.load_failed else st.restored_tokens
-        return {"kvtier_residency": "host" if restored else "none",
+        return {"kvtier_residency": st.residency if restored else "none",
                 "kvtier_restored_tokens": restored,
                 "kvtier_restore_s": round(st.restore_s, 6)}
 

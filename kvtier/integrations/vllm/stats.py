@@ -15,8 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 # data key -> what it counts (the Prometheus family is vllm:kvtier_<key>)
 COUNTERS = {
     "lookup_tokens": "Prompt tokens beyond vLLM's own prefix cache that kvtier looked up",
-    "restored_tokens": "Tokens restored from kvtier's host tier instead of recomputed",
-    "declined_tokens": "Tokens found in kvtier's tier but recomputed (the planner's choice)",
+    "restored_tokens": "Tokens restored from kvtier's tiers instead of recomputed",
+    "declined_tokens": "Tokens found in kvtier's tiers but recomputed (the planner's choice, "
+                       "a block that failed verification, or no room on host)",
     "restore_bytes": "Bytes copied host -> vLLM's KV cache",
     "restore_seconds": "Seconds spent copying host -> vLLM's KV cache",
     "failed_loads": "Host -> device loads that failed (recomputed or failed per policy)",
@@ -24,6 +25,16 @@ COUNTERS = {
     "stored_bytes": "Bytes stored device -> host",
     "failed_stores": "Device -> host stores that failed (never served)",
     "store_refused": "Stores the host tier had no room for",
+}
+# data key "family|tier[|reason]" -> (labels after vLLM's, what it counts)
+BY_TIER = {
+    "written_blocks": (("tier",), "Blocks written on from host to a tier below it"),
+    "written_bytes": (("tier",), "Bytes written on from host to a tier below it"),
+    "write_failures": (("tier",), "Blocks a tier below host failed to take"),
+    "fetched_blocks": (("tier",), "Blocks fetched into host from a tier below it, verified"),
+    "fetched_bytes": (("tier",), "Bytes fetched into host from a tier below it"),
+    "miss_blocks": (("tier", "reason"), "Blocks found below host but not served, by reason "
+                                        "(checksum, namespace, tokens, missing, io, ...)"),
 }
 
 
@@ -47,20 +58,38 @@ class KvtierStats(KVConnectorStats):
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per kvtier counter, labelled per engine as vLLM's are."""
+    """One Prometheus counter per kvtier counter, labelled per engine as vLLM's are (and by
+    tier, and reason, where the counter has them)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._bound: dict[str, dict[int, Any]] = {}
+        self._engine_labels = per_engine_labelvalues
+        self._families: dict[str, Any] = {}
         for key, documentation in COUNTERS.items():
-            family = self._counter_cls(name=f"vllm:kvtier_{key}", documentation=documentation,
-                                       labelnames=labelnames)
-            self._bound[key] = {engine: family.labels(*values)
-                                for engine, values in per_engine_labelvalues.items()}
+            self._families[key] = self._counter_cls(
+                name=f"vllm:kvtier_{key}", documentation=documentation, labelnames=labelnames)
+        for key, (extra, documentation) in BY_TIER.items():
+            self._families[key] = self._counter_cls(
+                name=f"vllm:kvtier_{key}", documentation=documentation,
+                labelnames=[*labelnames, *extra])
+        self._bound: dict[tuple[str, int], Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            counter = self._bound.get(key, {}).get(engine_idx)
-            if counter is not None and value > 0:
-                counter.inc(value)
+            if value > 0:
+                counter = self._counter(key, engine_idx)
+                if counter is not None:
+                    counter.inc(value)
+
+    def _counter(self, key: str, engine_idx: int) -> Any:
+        bound = self._bound.get((key, engine_idx))
+        if bound is None:
+            family, *extra = key.split("|")
+            labels = self._engine_labels.get(engine_idx)
+            want = len(BY_TIER[family][0]) if family in BY_TIER else 0
+            if family not in self._families or labels is None or len(extra) != want:
+                return None
+            bound = self._bound[(key, engine_idx)] = self._families[family].labels(
+                *labels, *extra)
+        return bound

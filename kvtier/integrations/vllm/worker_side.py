@@ -2,11 +2,15 @@
 `TierWorker`, and each step's jobs run around the forward pass. Copies are synchronous on
 CPU: loads finish before the forward pass reads them, stores before `wait_for_save` returns
 (so vLLM may free or reuse the blocks at once); both cost well under a millisecond a block.
+Jobs below host (host rows written on to disk or Redis, fetches back into host rows) run on
+the tier's I/O thread, across steps; their results go back with whichever step sees them.
 
   register(kv_caches)   validate the tensors (shape, dtype, contiguity, one storage) against
                         what the scheduler planned for, and allocate the host pool
-  load(jobs) / save(jobs)   run the step's host -> device / device -> host jobs
-  take_results()        for the scheduler (worker metadata); failed loads' blocks apart
+  load(jobs) / save(jobs)   run the step's host -> device / device -> host jobs (load also
+                        queues its jobs below host on the I/O thread)
+  take_results()        for the scheduler (worker metadata): this step's, and the I/O
+                        thread's since the last call; failed loads' blocks apart
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ class ExpectedLayout:
 class WorkerSide:
     """A TierWorker over vLLM's KV caches, run one step at a time."""
 
-    def __init__(self, config: TierConfig, expected: ExpectedLayout,
-                 fail_loads: bool = False) -> None:
+    def __init__(self, config: TierConfig, expected: ExpectedLayout, namespace: bytes,
+                 block_size: int, fail_loads: bool = False) -> None:
         self.config = config
         self.expected = expected
+        self.namespace = namespace  # the fingerprint every block below host carries
+        self.block_size = block_size
         self.fail_loads = fail_loads  # tests: every load is reported failed, nothing copied
         self.worker: TierWorker | None = None
         self._results: list[Result] = []
@@ -61,7 +67,7 @@ class WorkerSide:
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         layout = self.expected.check(kv_caches)
-        worker = build_worker_side(self.config, layout)
+        worker = build_worker_side(self.config, layout, self.namespace, self.block_size)
         if worker.host.num_slots != self.expected.host_slots:
             worker.close()
             raise ConfigError(f"the host pool holds {worker.host.num_slots} slots but the "
@@ -69,8 +75,17 @@ class WorkerSide:
         self.worker = worker
 
     def load(self, jobs: Sequence[Job]) -> None:
-        """Host -> device jobs, complete before the forward pass reads the blocks."""
+        """Host -> device jobs, complete before the forward pass reads the blocks; jobs
+        below host start on the I/O thread (fetches ahead of writes)."""
         self._run([j for j in jobs if j.dst is Medium.DEVICE])
+        below = [j for j in jobs if j.below_host]
+        if self.worker is None:  # never registered: every job fails, nothing is served
+            self._results += [Result(j.id, (False,) * len(j.keys),
+                                     ("no KV caches registered",) * len(j.keys), 0, 0.0)
+                              for j in below]
+            return
+        for job in below:
+            self.worker.submit(job)
 
     def save(self, jobs: Sequence[Job]) -> None:
         """Device -> host jobs of blocks this step filled, complete before vLLM may reuse them."""
@@ -98,6 +113,8 @@ class WorkerSide:
 
     def take_results(self) -> list[Result]:
         results, self._results = self._results, []
+        if self.worker is not None and self.worker.io is not None:
+            results += self.worker.io.poll()  # the device link's were all waited for
         return results
 
     def take_load_errors(self) -> set[int]:
@@ -106,5 +123,5 @@ class WorkerSide:
 
     def close(self) -> None:
         if self.worker is not None:
-            self.worker.close()
+            self.worker.close()  # queued writes below host land (and are synced) first
             self.worker = None

@@ -80,9 +80,8 @@ class DiskStore:
     # -- opening ---------------------------------------------------------------------------
 
     def _file_header(self) -> bytes:
-        fields = _FILE_HEADER.pack(_FILE_MAGIC, STORE_VERSION, FORMAT_VERSION, self.slot_nbytes,
-                                   self.num_slots, self.payload_nbytes, self.header_nbytes)
-        return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+        return _file_header(self.slot_nbytes, self.num_slots, self.payload_nbytes,
+                            self.header_nbytes)
 
     def _open_or_create(self) -> int:
         """Keep a file of this geometry; replace any other with an empty one."""
@@ -204,16 +203,10 @@ class DiskStore:
 
     def scan(self) -> list[tuple[int, BlockHeader]]:
         """(slot, header) of every slot whose header decodes, in slot order; the rest skipped."""
-        found = []
-        for slot in range(self.num_slots):
-            try:
-                header = decode_header(os.pread(self._fd, self.header_nbytes,
-                                                self._offset(slot)))
-            except CorruptBlock:
-                continue
-            if header.payload_nbytes <= self.payload_nbytes:
-                found.append((slot, header))
-        return found
+        if self._fd < 0:
+            raise ValueError(f"the disk store at {self.path} is closed")
+        return _scan(self._fd, self.num_slots, self.slot_nbytes, self.payload_nbytes,
+                     self.header_nbytes)
 
     def flush(self) -> None:
         """Make every completed write durable (fsync)."""
@@ -238,6 +231,49 @@ class DiskStore:
 
     def __del__(self) -> None:
         self.close()
+
+
+def read_headers(directory: str | Path, num_slots: int, payload_nbytes: int,
+                 header_nbytes: int) -> list[tuple[int, BlockHeader]]:
+    """`DiskStore.scan` of the file a store of this geometry keeps in `directory`, read only
+    and without its lock: for a process that keeps the index while another owns the bytes
+    (vLLM's scheduler beside its worker). No file, or another geometry: nothing."""
+    header_area = round_up(header_nbytes)
+    slot_nbytes = header_area + round_up(payload_nbytes)
+    try:
+        fd = os.open(Path(directory) / FILE_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ConfigError(f"the disk tier file in {directory} cannot be read: {e}") from e
+    try:
+        expected = _file_header(slot_nbytes, num_slots, payload_nbytes, header_nbytes)
+        if os.pread(fd, len(expected), 0) != expected:
+            return []  # the owner replaces it with an empty file of this geometry
+        return _scan(fd, num_slots, slot_nbytes, payload_nbytes, header_nbytes)
+    finally:
+        os.close(fd)
+
+
+def _file_header(slot_nbytes: int, num_slots: int, payload_nbytes: int,
+                 header_nbytes: int) -> bytes:
+    fields = _FILE_HEADER.pack(_FILE_MAGIC, STORE_VERSION, FORMAT_VERSION, slot_nbytes,
+                               num_slots, payload_nbytes, header_nbytes)
+    return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def _scan(fd: int, num_slots: int, slot_nbytes: int, payload_nbytes: int,
+          header_nbytes: int) -> list[tuple[int, BlockHeader]]:
+    found = []
+    for slot in range(num_slots):
+        try:
+            header = decode_header(os.pread(fd, header_nbytes,
+                                            FILE_HEADER_NBYTES + slot * slot_nbytes))
+        except CorruptBlock:
+            continue
+        if header.payload_nbytes <= payload_nbytes:
+            found.append((slot, header))
+    return found
 
 
 def _open_locked_dir(directory: Path) -> int:

@@ -5,6 +5,7 @@ Primitives:
   measure_disk_gbps(dir, bytes)     cold read rate of the disk tier's filesystem
   remote_rate(store, bytes, given)  the starting Redis read rate (bad credentials fail here)
   open_disk(config, ...)            the slot file, its index rebuilt from what is on it
+  read_disk_index(config, ...)      that index alone, read only (the file is another's)
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from kvtier.errors import ConfigError
 from kvtier.tier.config import TierConfig
 from kvtier.tier.index.disk import DiskTier
 from kvtier.tier.planner import Calibration
-from kvtier.tier.worker.block_format import max_header_nbytes
-from kvtier.tier.worker.disk_store import DiskStore, round_up
+from kvtier.tier.worker.block_format import BlockHeader, max_header_nbytes
+from kvtier.tier.worker.disk_store import DiskStore, read_headers, round_up
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link import TransferEngine
 from kvtier.tier.worker.spec import Direction, TransferSpec
@@ -59,28 +60,51 @@ def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: flo
 def open_disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int
                ) -> tuple[DiskStore, DiskTier]:
     """The slot file, and its index rebuilt from the blocks a previous process left there."""
+    num_slots, header = disk_geometry(config, host.slot_bytes, block_size)
+    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header)
+    try:
+        tier, rejected = _adopt(config, store.scan(), num_slots, namespace, host.slot_bytes,
+                                host.encoding)
+        for slot in rejected:
+            store.invalidate(slot)
+    except BaseException:
+        store.close()
+        raise
+    adopted = len(tier.complete_keys())
+    if adopted:
+        log.info("kvtier: disk tier %s: %d blocks from an earlier process", store.path, adopted)
+    return store, tier
+
+
+def read_disk_index(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
+                    block_size: int) -> DiskTier:
+    """The disk tier's index from its file, read only: for the process that keeps the index
+    while another owns the file (`open_disk` there adopts, and invalidates, the same slots)."""
+    num_slots, header = disk_geometry(config, slot_bytes, block_size)
+    found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header)
+    return _adopt(config, found, num_slots, namespace, slot_bytes, encoding)[0]
+
+
+def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple[int, int]:
+    """(slots, header bytes) of the disk tier's file: the same in every process."""
     header = max_header_nbytes(block_size)
-    probe_slot = round_up(header) + round_up(host.slot_bytes)
+    probe_slot = round_up(header) + round_up(slot_bytes)
     num_slots = int(config.disk_kv_size * GIB // probe_slot)
     if num_slots < 1:
         raise ConfigError(
             f"disk_kv_size={config.disk_kv_size} GiB holds no block of {probe_slot:,} bytes; "
             "raise it")
-    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header)
-    try:
-        tier = DiskTier(num_slots, config.eviction_policy)
-        found = [(slot, h.key, h.tokens) for slot, h in store.scan()
-                 if h.namespace == namespace and h.payload_nbytes == host.slot_bytes
-                 and h.encoding == host.encoding]
-        for slot in tier.adopt(found):
-            store.invalidate(slot)
-    except BaseException:
-        store.close()
-        raise
-    if found:
-        log.info("kvtier: disk tier %s: %d blocks from an earlier process", store.path,
-                 len(found))
-    return store, tier
+    return num_slots, header
+
+
+def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]], num_slots: int,
+           namespace: bytes, slot_bytes: int, encoding: str) -> tuple[DiskTier, list[int]]:
+    """An index of the blocks of this namespace and shape; the slots it could not take."""
+    tier = DiskTier(num_slots, config.eviction_policy)
+    rejected = tier.adopt((slot, h.key, h.tokens) for slot, h in found
+                          if h.namespace == namespace and h.payload_nbytes == slot_bytes
+                          and h.encoding == encoding)
+    return tier, rejected
 
 
 def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATION_BLOCKS

@@ -110,6 +110,7 @@ class TierWorker:
         if self.io is not None:
             self.io.close()
         results = self.poll()
+        self.flush()  # what the I/O thread wrote before it stopped is what a restart finds
         for store in (self.disk, self.remote):
             if store is not None:
                 store.close()
