@@ -5,7 +5,8 @@ each request. The connector's tests (tests/integrations) and benchmark run it as
     .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON|@FILE
 CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
               "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
-              "kv_bytes_per_block": N}
+              "kv_bytes_per_block": N, "metrics": true}
+Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
 2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
 """
@@ -66,8 +67,11 @@ def main() -> int:
         })
     metrics = {}
     if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it)
-        metrics = {m.name: m.value for m in llm.get_metrics()
-                   if m.name.startswith("vllm:kvtier") and hasattr(m, "value")}
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:kvtier") and hasattr(m, "value"):
+                extra = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+                                 if k not in ("engine", "model_name"))
+                metrics[m.name + (f"{{{extra}}}" if extra else "")] = m.value
     print(MARK + json.dumps({"started_s": started, "results": out, "metrics": metrics}),
           flush=True)
     return 0

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from disk_file import flip_payload_byte
+from redis_server import RedisServer, redis_server_binary
 from vllm_run import KV_BYTES_PER_BLOCK, VLLM_PYTHON, parse, results, run_vllm
+
+from kvtier.tier import TierConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -17,6 +24,7 @@ HOST = {"kv_offloading_size": 0.25}  # GiB: 45 blocks of 5.9 MB
 POOL = 24  # vLLM's own blocks
 PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 FULL = 7 * 128  # so every full block but the last can come from a cache
+DISK_GIB = 0.1  # 17 slots of 5.9 MB
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +117,87 @@ def test_bad_extra_config_stops_vllm_at_start_with_kvtier_message(
                     check=False)
     assert proc.returncode != 0
     assert "unknown key(s) 'kv_offloading_sise'" in proc.stdout + proc.stderr
+
+
+# -- the tiers below host: one vLLM process writes, later ones read -----------------------
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    server = RedisServer(redis_server_binary())
+    server.start()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def written(vllm_python: Path, smollm2_hf: Path, redis_url: str, reference: list[dict],
+            tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Process 1 serves A with disk and Redis below host, and exits: the disk directory."""
+    directory = tmp_path_factory.mktemp("tiers") / "kv"
+    run = parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": {**HOST, "disk_kv_path": str(directory), "disk_kv_size": DISK_GIB,
+                      "remote_kv_url": redis_url},
+        "blocks": POOL, "prompts": prompts()[:1], "metrics": True}).stdout)
+    assert run["results"][0]["tokens"] == reference[0]["tokens"]
+    m = run["metrics"]
+    assert m["vllm:kvtier_written_blocks{tier=disk}"] == 8  # every full block, on to disk
+    assert m["vllm:kvtier_written_blocks{tier=remote}"] == 8  # ... and to Redis
+    return directory
+
+
+def disk_copy(written: Path, tmp_path: Path) -> dict[str, Any]:
+    """The connector's disk knobs over a copy of what process 1 left (tests stay apart)."""
+    directory = tmp_path / "kv"
+    shutil.copytree(written, directory)
+    return {**HOST, "disk_kv_path": str(directory), "disk_kv_size": DISK_GIB}
+
+
+def serve_a(vllm_python: Path, smollm2_hf: Path, connector: dict[str, Any],
+            **spec: Any) -> dict[str, Any]:
+    run = parse(run_vllm(vllm_python, smollm2_hf, {"connector": connector, "blocks": POOL,
+                                                   "prompts": prompts()[:1], "metrics": True,
+                                                   **spec}).stdout)
+    return {**run["results"][0], "metrics": run["metrics"]}
+
+
+def test_a_restarted_vllm_restores_the_prefix_from_disk_exactly(
+        vllm_python: Path, smollm2_hf: Path, written: Path, reference: list[dict],
+        tmp_path: Path) -> None:
+    a = serve_a(vllm_python, smollm2_hf, disk_copy(written, tmp_path))
+    assert a["kv_transfer_params"]["kvtier_residency"] == "disk"
+    assert a["kv_transfer_params"]["kvtier_restored_tokens"] == a["cached"] == FULL
+    assert a["tokens"] == reference[-1]["tokens"]
+    assert a["logprobs"] == reference[-1]["logprobs"]
+    assert a["metrics"]["vllm:kvtier_fetched_blocks{tier=disk}"] == 7
+
+
+def test_a_flipped_byte_on_disk_is_a_counted_miss_and_output_is_unchanged(
+        vllm_python: Path, smollm2_hf: Path, written: Path, reference: list[dict],
+        tmp_path: Path) -> None:
+    connector = disk_copy(written, tmp_path)
+    a = prompts()[0]
+    flip_payload_byte(TierConfig(**connector), KV_BYTES_PER_BLOCK, 128, a[256:384])
+    run = serve_a(vllm_python, smollm2_hf, connector)
+    assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == 256
+    assert run["metrics"]["vllm:kvtier_miss_blocks{reason=checksum,tier=disk}"] == 1
+    assert run["tokens"] == reference[-1]["tokens"]  # the rest of the prefix recomputed
+
+
+def test_another_block_size_finds_nothing(vllm_python: Path, smollm2_hf: Path, written: Path,
+                                          reference: list[dict], tmp_path: Path) -> None:
+    run = serve_a(vllm_python, smollm2_hf, disk_copy(written, tmp_path), block_size=64,
+                  kv_bytes_per_block=KV_BYTES_PER_BLOCK // 2, blocks=2 * POOL)
+    assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == 0
+    assert not any(k.startswith("vllm:kvtier_fetched") for k in run["metrics"])
+    assert run["tokens"] == reference[0]["tokens"]
+
+
+def test_a_second_vllm_hits_the_first_ones_prefix_through_redis(
+        vllm_python: Path, smollm2_hf: Path, written: Path, redis_url: str,
+        reference: list[dict]) -> None:
+    run = serve_a(vllm_python, smollm2_hf, {**HOST, "remote_kv_url": redis_url})
+    assert run["kv_transfer_params"]["kvtier_residency"] == "remote"
+    assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == FULL
+    assert run["tokens"] == reference[-1]["tokens"]
+    assert run["logprobs"] == reference[-1]["logprobs"]
+    assert run["metrics"]["vllm:kvtier_fetched_blocks{tier=remote}"] == 7
