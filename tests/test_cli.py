@@ -33,3 +33,13 @@ def test_bad_knob_value_is_a_clear_error() -> None:
     assert r.returncode == 2 and "block_size=3" in r.stderr and "Traceback" not in r.stderr
     r = kvtier("generate", "hi", "--model", "tiny", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens=0" in r.stderr
+
+
+def test_every_command_has_a_working_help() -> None:
+    from kvtier.cli import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    for name, command in [("", parser), *sub.choices.items()]:
+        text = command.format_help()  # what `kvtier NAME --help` prints, without exiting
+        assert "usage:" in text and len(text) > 100, name

@@ -59,8 +59,8 @@ def add_plan_args(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None,
                    help="tensor parallel size (default: smallest that leaves room for KV)")
     p.add_argument("--kv-offloading-size", type=float, default=None,
-                   help=f"host pool GiB per replica (default: {HOST_USABLE_FRACTION:.0%} of "
-                        "RAM split across replicas)")
+                   help=f"host pool GiB per replica (default: "
+                        f"{HOST_USABLE_FRACTION * 100:.0f}%% of RAM split across replicas)")
     p.add_argument("--trace", default=None, help="simulate this trace (kvtier JSONL/Mooncake)")
     p.add_argument("--device-sessions", type=int, default=None,
                    help="simulation: device pool holds N sessions (default: HBM bytes)")
