@@ -3,9 +3,12 @@ gaps, a fixed number of turns each; it starts its own server and stops by itself
 
 Checks: no errors, every response complete ([DONE] and a finish reason), device and host
 pool accounting back to baseline afterwards; reports TTFT p50/p99 per residency class.
+`--abuse 0.1` adds hostile clients beside the honest sessions: one request in ten is then
+malformed, oversized, out of range, or a stream its client drops after the first chunk; the
+honest sessions must still all complete (compare their TTFT with a run without --abuse).
 
     python benchmarks/serve_load.py [--model PATH] [--sessions 32] [--turns 3] [--out DIR]
-        [--server-args "--kv-offloading-size 0.05 --disk-kv-path DIR --disk-kv-size 1"]
+        [--abuse 0.1] [--server-args "--kv-offloading-size 0.05 --disk-kv-path DIR ..."]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,45 @@ async def session(client: httpx.AsyncClient, i: int, turns: int, gap: tuple[floa
         await asyncio.sleep(rng.uniform(*gap))  # the user thinks: state goes cold
 
 
+# What a careless or hostile client sends: (name, body or raw text, stream and drop it)
+ABUSE: list[tuple[str, Any, bool]] = [
+    ("bad json", '{"model": "default", "messages": [', False),
+    ("deep nesting", '{"model": "default", "prompt": ' + "[" * 5000 + "]" * 5000 + "}", False),
+    ("lone surrogate", '{"model": "default", "prompt": "\\ud800 hi", "max_tokens": 4}', False),
+    ("infinite temperature", '{"model": "default", "prompt": "hi", "temperature": Infinity}',
+     False),
+    ("string max_tokens", {"model": "default", "prompt": "hi", "max_tokens": "9"}, False),
+    ("unsupported parameter", {"model": "default", "prompt": "hi", "logit_bias": {"5": 9}},
+     False),
+    ("oversized body", {"model": "default", "prompt": "a" * (8 << 20)}, False),
+    ("huge seed", {"model": "default", "prompt": "hi", "seed": 2**80}, False),
+    ("dropped stream", {"model": "default", "prompt": "Tell me a long story.",
+                        "max_tokens": 200, "stream": True}, True),
+]
+
+
+async def abuser(client: httpx.AsyncClient, n: int, spread_s: float, rng: random.Random,
+                 outcomes: list[str]) -> None:
+    """`n` hostile requests spread over `spread_s` seconds; each outcome recorded."""
+    for _ in range(n):
+        await asyncio.sleep(rng.uniform(0, 2 * spread_s / max(n, 1)))
+        name, body, drop = rng.choice(ABUSE)
+        content = body if isinstance(body, str) else json.dumps(body)
+        headers = {"content-type": "application/json"}
+        try:
+            if drop:
+                async with client.stream("POST", "/v1/completions", content=content,
+                                         headers=headers) as r:
+                    async for _line in r.aiter_lines():
+                        break  # the client goes away after the first chunk
+                outcomes.append(f"{name}: dropped")
+            else:
+                r = await client.post("/v1/completions", content=content, headers=headers)
+                outcomes.append(f"{name}: {r.status_code}")
+        except httpx.HTTPError as e:
+            outcomes.append(f"{name}: {type(e).__name__}")
+
+
 def gauges(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     out: dict[str, float] = {}
@@ -93,17 +136,23 @@ def gauges(url: str) -> dict[str, float]:
     return out
 
 
-async def drive(url: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+async def drive(url: str, args: argparse.Namespace
+                ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     records: list[dict[str, Any]] = []
     errors: list[str] = []
-    limits = httpx.Limits(max_connections=args.sessions + 4)
+    abuse: list[str] = []
+    limits = httpx.Limits(max_connections=args.sessions + 8)
     timeout = httpx.Timeout(args.request_timeout)
+    honest = args.sessions * args.turns
+    n_abuse = round(honest * args.abuse / (1 - args.abuse)) if args.abuse else 0
+    spread = args.turns * (args.gap_min + args.gap_max) / 2 + 10  # about the honest run
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        await asyncio.wait_for(asyncio.gather(*(
-            session(client, i, args.turns, (args.gap_min, args.gap_max), args.max_tokens,
-                    random.Random(i), records, errors) for i in range(args.sessions))),
-            timeout=args.deadline)
-    return records, errors
+        tasks = [session(client, i, args.turns, (args.gap_min, args.gap_max), args.max_tokens,
+                         random.Random(i), records, errors) for i in range(args.sessions)]
+        tasks += [abuser(client, n_abuse // 4 + (k < n_abuse % 4), spread,
+                         random.Random(1000 + k), abuse) for k in range(4 if n_abuse else 0)]
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.deadline)
+    return records, errors, abuse
 
 
 def main() -> int:
@@ -116,6 +165,8 @@ def main() -> int:
     ap.add_argument("--gap-max", type=float, default=5.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--deadline", type=float, default=900.0, help="the whole run stops by then")
+    ap.add_argument("--abuse", type=float, default=0.0,
+                    help="share of all requests that are hostile (e.g. 0.1)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--server-args", default="",
                     help="more `kvtier serve` flags, appended (later flags win), e.g. a disk tier")
@@ -128,7 +179,7 @@ def main() -> int:
     try:
         baseline = gauges(url)
         start = time.perf_counter()
-        records, errors = asyncio.run(drive(url, args))
+        records, errors, abuse = asyncio.run(drive(url, args))
         wall = time.perf_counter() - start
         time.sleep(3.0)  # let write-through stores land
         after = gauges(url)
@@ -158,9 +209,15 @@ def main() -> int:
         print(f"check {name}: {'PASS' if ok else 'FAIL'}")
     for e in errors[:5]:
         print(f"error: {e}")
+    outcomes = dict(sorted(Counter(abuse).items()))
+    if abuse:
+        print(f"{len(abuse)} hostile requests beside them: " + ", ".join(
+            f"{k} x{v}" for k, v in outcomes.items()))
     path = write_result("serve_load", {"summary": summary, "checks": checks,
                                        "baseline": baseline, "after": after,
-                                       "errors": errors, "wall_s": wall}, args.out)
+                                       "errors": errors, "wall_s": wall,
+                                       "abuse": args.abuse, "abuse_outcomes": outcomes},
+                        args.out)
     print(f"wrote {path}")
     return 0 if all(checks.values()) else 1
 

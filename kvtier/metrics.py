@@ -78,8 +78,11 @@ class Metrics:
             f"{PREFIX}cached_tokens", "Prompt tokens found in the device prefix cache.",
             registry=r)
         self.restored_tokens = Counter(
-            f"{PREFIX}restored_tokens", "Tokens whose KV was loaded from the host tier.",
+            f"{PREFIX}restored_tokens", "Prompt tokens whose KV was loaded from the host tier.",
             registry=r)
+        self.swapped_in_tokens = Counter(
+            f"{PREFIX}swapped_in_tokens", "Tokens of preempted requests' own state loaded back "
+            "from the host tier.", registry=r)
         self.lossy_restores = Counter(
             f"{PREFIX}lossy_restores", "Requests restored from 8-bit blocks below host "
             "(kv_offload_dtype): close to, not bit-equal to, the exact KV.", registry=r)
@@ -111,6 +114,7 @@ class Metrics:
         self.generation_tokens.inc(len(out.token_ids))
         self.cached_tokens.inc(out.num_cached_tokens)
         self.restored_tokens.inc(out.num_restored_tokens)
+        self.swapped_in_tokens.inc(out.num_swapped_in_tokens)
         self.recomputed_tokens.inc(out.num_recomputed_tokens)
         if out.lossy:
             self.lossy_restores.inc()

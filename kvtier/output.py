@@ -47,9 +47,11 @@ class RequestOutput:
     # where the prior state lived: resident | host | disk | remote | recomputed | new
     residency: str = "new"
     num_restored_tokens: int = 0  # loaded from the host tier (fetched up to it first if deeper)
+    num_swapped_in_tokens: int = 0  # restored after preemptions (not counted above)
     num_recomputed_tokens: int = 0  # state that existed but was computed again
     restore_bytes: int = 0
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
+    error: str | None = None  # finish_reason "error": why serving this request failed
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -77,6 +79,7 @@ class RequestOutput:
                                    seq.restore_s),
             finished=seq.is_finished, residency=seq.residency,
             num_restored_tokens=seq.num_restored_tokens,
+            num_swapped_in_tokens=seq.num_swapped_in_tokens,
             num_recomputed_tokens=seq.num_recomputed_tokens, restore_bytes=seq.restore_bytes,
             lossy=seq.lossy,
         )

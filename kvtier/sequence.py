@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import RequestError
+
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's threshold)
+MAX_TEMPERATURE = 100.0  # beyond it every token is equally likely: a caller's mistake
+SEED_MAX = 2**63 - 1  # what a torch.Generator takes
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool, not NaN, not an infinity)."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 @dataclass
@@ -32,19 +47,26 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """vLLM's rule: a temperature below SAMPLING_EPS picks the most likely token (dividing
+        the logits by it would overflow to inf and the probabilities to NaN)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not self.temperature >= 0.0:
-            raise RequestError(f"temperature={self.temperature!r} must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise RequestError(f"temperature={self.temperature!r} must be a number in "
+                               f"[0, {MAX_TEMPERATURE:g}]")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise RequestError(f"top_k={self.top_k!r} must be -1, 0 (off) or a positive integer")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError(f"logprobs={self.logprobs!r} must be between 0 and 20")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX):
+            raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2**63 - 1]")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs={self.logprobs!r} must be an integer between 0 and "
+                               f"{MAX_LOGPROBS}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop={self.stop!r} must be a list of non-empty strings")
 
@@ -112,7 +134,8 @@ class Sequence:
     # from that tier), recomputed (it existed but was computed again), new. TTFT is reported
     # per class because the classes differ by 10x.
     residency: str = "new"
-    num_restored_tokens: int = 0
+    num_restored_tokens: int = 0  # prompt tokens restored at admission (<= the prompt)
+    num_swapped_in_tokens: int = 0  # its own state restored after each preemption
     num_recomputed_tokens: int = 0
     restore_bytes: int = 0
     restore_s: float = 0.0

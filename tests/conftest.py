@@ -67,12 +67,12 @@ def pytest_report_header() -> str:
     return f"kvtier: torch {torch.__version__}, threads {torch.get_num_threads()}, CUDA: {cuda}"
 
 
-def start_server(*args: str) -> tuple[Any, str]:
+def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[Any, str]:
     """`kvtier serve` on a free loopback port with the tiny model; (process, base url)."""
     from kvtier.errors import KvtierError
     from kvtier.server.launch import start_server as launch
 
     try:
-        return launch("--model", "tiny", *args)
+        return launch("--model", "tiny", *args, env=env)
     except KvtierError as e:
         pytest.fail(str(e))

@@ -44,6 +44,7 @@ def add_bench_args(sub: Any) -> None:
                         "engine (its own configuration; --config does not apply)")
     p.add_argument("--api-key", default=None, help="with --url: the bearer key")
     p.add_argument("--served-model", default="default", help="with --url: the model name")
+    p.add_argument("--name", default="remote", help="with --url: the run's name in the report")
     p.add_argument("--out", default=None, help="output directory (kvtier-bench-<timestamp>)")
     add_engine_args(p)
     p.set_defaults(func=run_bench)
@@ -116,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         if args.config:
             raise ConfigError("--config does not apply with --url: the server has its own")
-        runs = [run_remote(args.url, trace, "remote", args.served_model, args.api_key)]
+        runs = [run_remote(args.url, trace, args.name, args.served_model, args.api_key)]
     else:
         runs = _run_all(loaded, trace, base, configs, run_config)
     summaries = {r.name: report.summarize_config(r.records, r.engine) for r in runs}

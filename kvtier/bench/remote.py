@@ -2,10 +2,13 @@
 
 Prompts go as token ids to /v1/completions, streamed, so TTFT is the first text chunk.
 Where the server says so, the record takes its residency (`x-kvtier-residency`) and usage
-extras; otherwise residency is "unknown". A turn's history grows by the generated ids when
-the server returns them (`return_token_ids`, as kvtier and vLLM do), else by the same number
-of stand-in ids: the server still sees a conversation of the right length, but the reply
-part of its prefix cache cannot be reused.
+extras. A server that only counts cached prompt tokens (vLLM with
+`--enable-prompt-tokens-details`: its own prefix cache plus what a KV connector loaded) gets
+"cached" when at least half of the session's earlier context was reused, else "recomputed"
+(a first turn: "new"); a server that says neither gets "unknown". A turn's history grows by
+the generated ids when the server returns them (`return_token_ids`, as kvtier and vLLM do),
+else by the same number of stand-in ids: the server still sees a conversation of the right
+length, but the reply part of its prefix cache cannot be reused.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ async def _session(client: Any, sid: str, reqs: list[Any], model: str, t0: float
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         sent = time.perf_counter() - t0
-        record = await _one(client, body, sid, turn, sent, t0, run)
+        record = await _one(client, body, sid, turn, sent, t0, run, len(history))
         if record is None:
             return  # the session ends where the server refused it
         history = prompt + record.pop("_token_ids")
@@ -73,7 +76,7 @@ async def _session(client: Any, sid: str, reqs: list[Any], model: str, t0: float
 
 
 async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: float,
-               t0: float, run: ConfigRun) -> dict[str, Any] | None:
+               t0: float, run: ConfigRun, prior: int) -> dict[str, Any] | None:
     first: float | None = None
     last = sent
     ids: list[int] | None = None
@@ -84,7 +87,7 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
                 run.rejected.append(f"{sid}/{turn}: HTTP {r.status_code} "
                                     f"{(await r.aread()).decode()[:200]}")
                 return None
-            residency = r.headers.get("x-kvtier-residency", "unknown")
+            residency = r.headers.get("x-kvtier-residency")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -99,6 +102,9 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
         run.rejected.append(f"{sid}/{turn}: {type(e).__name__}: {e}")
         return None
     n = int(usage.get("completion_tokens", body["max_tokens"]))
+    details = usage.get("prompt_tokens_details") or {}
+    if residency is None:
+        residency = _from_cached(details.get("cached_tokens"), turn, prior)
     residency = session_residency(residency, turn)
     first = first if first is not None else last
     return {
@@ -107,8 +113,17 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
         "itl_s": (last - first) / (n - 1) if n > 1 else None, "residency": residency,
         "restored_tokens": usage.get("restored_tokens", 0),
         "recomputed_tokens": usage.get("recomputed_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "cached_tokens": details.get("cached_tokens") or 0,
         "restore_bytes": 0, "restore_s": usage.get("restore_ms", 0.0) / 1e3,
         "arrival_s": sent, "finish_s": last,
         "_token_ids": list(ids) if ids else [STAND_IN_ID + k % 1000 for k in range(n)],
     }
+
+
+def _from_cached(cached: int | None, turn: int, prior: int) -> str:
+    """Residency from a server's cached-token count alone (vLLM's usage details)."""
+    if cached is None:
+        return "unknown"
+    if turn == 0:
+        return "cached" if cached else "new"
+    return "cached" if cached >= prior / 2 else "recomputed"

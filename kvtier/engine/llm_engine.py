@@ -13,11 +13,13 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
 from kvtier.engine.batch import SchedulerOutput
+from kvtier.engine.faults import Faults
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier, TierClient
 from kvtier.errors import RequestError
@@ -29,6 +31,7 @@ from kvtier.sequence import SamplingParams, Sequence
 from kvtier.tier import BlockKey, Fingerprint
 
 PromptType = str | list[int] | dict[str, Any]
+NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
 log = logging.getLogger(__name__)
 
 
@@ -81,11 +84,18 @@ class LLMEngine:
         self.finished_outputs: list[RequestOutput] = []
         self._streaming: set[str] = set()
         self.stream_deltas: list[StreamDelta] = []
+        self.faults = Faults.from_env()  # off unless a test sets KVTIER_FAULT_*
 
     def namespace(self, salt: str = "") -> BlockKey:
-        if salt not in self._namespaces:
-            self._namespaces[salt] = self.fingerprint.namespace(salt)
-        return self._namespaces[salt]
+        """The chain seed of `salt` (tenant and cache_salt), from a bounded LRU: one entry per
+        distinct salt would otherwise grow with traffic forever."""
+        key = self._namespaces.pop(salt, None)
+        if key is None:
+            key = self.fingerprint.namespace(salt)
+            if len(self._namespaces) >= NAMESPACE_CACHE:
+                self._namespaces.pop(next(iter(self._namespaces)))
+        self._namespaces[salt] = key  # most recently used last
+        return key
 
     def add_request(
         self,
@@ -121,6 +131,7 @@ class LLMEngine:
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)
+        self.faults.admitted(params)
         self.scheduler.add(seq, self.namespace(cache_salt))
         if stream:
             self._streaming.add(rid)
@@ -145,6 +156,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that finished in it."""
         tier, scheduler = self.tier, self.scheduler
+        self.faults.before_step()
         scheduler.apply(tier.reap())
         batch = scheduler.schedule()
         tier.submit()
@@ -152,7 +164,14 @@ class LLMEngine:
             scheduler.apply(tier.wait_any())  # blocked on a swap's store or a wake's load
             return []
         start = time.perf_counter()
-        sampled = self.runner.execute(batch.scheduled, tier.layer_barrier(batch))
+        try:
+            self.faults.before_forward(s.seq.params for s in batch.scheduled)
+            sampled = self.runner.execute(batch.scheduled, tier.layer_barrier(batch))
+        except Exception as e:  # the forward pass: no one request to pin it on
+            log.exception("kvtier: a forward pass failed; failing the requests of that step")
+            scheduler.apply(tier.finish_layerwise(batch))  # loads into their blocks land first
+            why = f"the engine failed the step serving this request ({type(e).__name__}: {e})"
+            return self._fail({s.seq.request_id: why for s in batch.scheduled})
         void = scheduler.apply(tier.finish_layerwise(batch))  # failed loads void their step
         tier.observe_prefill(batch, time.perf_counter() - start)
         outputs = self._postprocess(batch, sampled, void)
@@ -162,31 +181,51 @@ class LLMEngine:
     def _postprocess(
         self, batch: SchedulerOutput, sampled: dict[str, SampleResult], void: set[str]
     ) -> list[RequestOutput]:
+        failed = {rid: str(r.error) for rid, r in sampled.items() if r.error is not None}
+        failed |= {s.seq.request_id: "injected: sampling failed" for s in batch.scheduled
+                   if s.seq.request_id in sampled and self.faults.failed_sampling(s.seq.params)}
         self.scheduler.update(
-            batch, {rid: r.token_id for rid, r in sampled.items() if rid not in void}, void
-        )
+            batch, {rid: r.token_id for rid, r in sampled.items() if rid not in void},
+            void | failed.keys())
         now = time.perf_counter()
         done: list[Sequence] = []
         for s in batch.scheduled:
-            result = sampled.get(s.seq.request_id)
-            if result is None or s.seq.request_id in void:
+            rid = s.seq.request_id
+            result = sampled.get(rid)
+            if result is None or rid in void or rid in failed:
                 continue
             seq = s.seq
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
-            finished = self.stops.check(seq)
+            try:
+                finished = self.stops.check(seq)
+            except Exception as e:  # detokenizing or stop checking this one request
+                log.exception("kvtier: request %s failed after sampling", rid)
+                failed[rid] = f"the engine failed to detokenize its output ({type(e).__name__})"
+                continue
             if finished:
                 seq.timings.finished = now
                 done.append(seq)
-            if seq.request_id in self._streaming:
+            if rid in self._streaming:
                 self.stream_deltas.append(StreamDelta.of(seq, finished))
         self.scheduler.finish(done)
         for seq in done:
             self.runner.sampler.forget(seq.request_id)
             self._streaming.discard(seq.request_id)
-        return [RequestOutput.of(seq) for seq in done]
+        return [RequestOutput.of(seq) for seq in done] + self._fail(failed)
+
+    def _fail(self, failures: dict[str, str]) -> list[RequestOutput]:
+        """End these requests with finish_reason "error" (blocks freed, full blocks kept);
+        the rest of the engine serves on."""
+        outputs = []
+        for rid, why in failures.items():
+            out = self.abort(rid)
+            if out is not None:
+                log.error("kvtier: request %s failed: %s", rid, why)
+                outputs.append(replace(out, finish_reason="error", error=why))
+        return outputs
 
     def demote_cached(self) -> int:
         """Move every cached device block that no request is using down to the host tier now

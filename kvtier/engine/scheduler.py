@@ -159,7 +159,10 @@ class Scheduler:
             table.residency[i] = Residency.IN_FLIGHT
         table.keys.extend(plan.content_keys)
         seq.loading = job
-        seq.num_restored_tokens += plan.restored_tokens
+        if seq.num_preemptions:  # its own state from before it was preempted: a swap-in
+            seq.num_swapped_in_tokens += plan.restored_tokens
+        else:  # its prompt, restored instead of prefilled
+            seq.num_restored_tokens += plan.restored_tokens
         seq.restore_bytes += len(plan.load_keys) * self.tier.block_bytes
         seq.lossy = seq.lossy or self.tier.lossy
         self.loading[seq.request_id] = seq
@@ -215,7 +218,10 @@ class Scheduler:
         del table.keys[d:]
         table.num_registered = min(table.num_registered, d)
         seq.num_computed_tokens = plan.prefix.num_tokens
-        seq.num_restored_tokens -= plan.restored_tokens
+        if seq.num_preemptions:
+            seq.num_swapped_in_tokens -= plan.restored_tokens
+        else:
+            seq.num_restored_tokens -= plan.restored_tokens
         seq.num_recomputed_tokens += plan.restored_tokens
         seq.restore_bytes -= len(plan.load_keys) * self.tier.block_bytes
         if seq.num_restored_tokens == 0:

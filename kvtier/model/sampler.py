@@ -13,6 +13,7 @@ from kvtier.sequence import SamplingParams
 class SampleResult:
     token_id: int
     logprobs: dict[int, float] | None  # top-k log-probabilities plus the chosen token's
+    error: str | None = None  # this request could not be sampled (token_id is then -1)
 
 
 class Sampler:
@@ -45,8 +46,12 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1).tolist()
         results = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
-            token = greedy_ids[i] if p.greedy else self._draw(logits[i], self._generator(rid, p), p)
-            results.append(SampleResult(token, self._logprobs(logits[i], token, p.logprobs)))
+            try:  # one request's failure is its own: the others in the batch still sample
+                token = (greedy_ids[i] if p.greedy
+                         else self._draw(logits[i], self._generator(rid, p), p))
+                results.append(SampleResult(token, self._logprobs(logits[i], token, p.logprobs)))
+            except (RuntimeError, ValueError, OverflowError) as e:
+                results.append(SampleResult(-1, None, f"sampling failed: {e}"))
         return results
 
     @staticmethod
@@ -56,6 +61,8 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()):  # non-finite logits: never sample from NaN
+            raise ValueError("the model produced non-finite logits for this request")
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             cumulative = sorted_probs.cumsum(-1)

@@ -10,9 +10,11 @@ Bad input is a 4xx in OpenAI's error shape, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,25 +25,31 @@ from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import KvtierError, RequestError
 from kvtier.metrics import Metrics
 from kvtier.output import RequestOutput, StreamDelta
-from kvtier.server.engine_loop import EngineLoop, RequestStream
+from kvtier.server.engine_loop import EngineLoop, RequestFailed, RequestStream
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvtier.server.request_body import (
+    MAX_JSON_DEPTH,
+    ApiError,
+    default_max_request_bytes,
+    json_body,
+    prompt_text,
+    read_body,
+)
 from kvtier.stats import RequestLog, engine_stats
 
+log = logging.getLogger(__name__)
 RESIDENCY_HEADER = "x-kvtier-residency"
 LOSSY_HEADER = "x-kvtier-lossy"
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.kind = status, message, code, kind
-
-
 def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None = None,
-              metrics: Metrics | None = None) -> FastAPI:
-    """`tenants` maps API key -> tenant name; None means no authentication."""
+              metrics: Metrics | None = None, max_request_bytes: int | None = None) -> FastAPI:
+    """`tenants` maps API key -> tenant name; None means no authentication.
+    `max_request_bytes`: a larger body is a 413 before it is read whole (default: sized to
+    the model's context, `default_max_request_bytes`)."""
     metrics = metrics or Metrics()
+    max_len = loop.engine.max_model_len
+    body_limit = max_request_bytes or default_max_request_bytes(max_len)
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
     names = {served_name, "default"}
 
@@ -61,26 +69,28 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
         return tenants[key]
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
+        body = json_body(await read_body(request, body_limit))
         try:
             parsed = model.model_validate(body)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"
             raise ApiError(400, f"{where}: {first['msg']}") from None
+        except RecursionError:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} "
+                           "levels") from None
         if parsed.model not in names:
             raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves "
                            f"'{served_name}'", "model_not_found")
         return parsed
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """200 while the engine serves; 503 (and why) when it is dead, stalled or draining."""
+        why = loop.health()
+        if why is not None:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -91,51 +101,79 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
     @app.get("/metrics")
     async def prometheus() -> Response:
         def snapshot() -> tuple[dict[str, Any], int, int]:
-            log = RequestLog(list(loop.finished))
-            s = loop.engine.scheduler
-            return engine_stats(loop.engine, log), len(s.running), len(s.waiting)
+            s = loop.engine.scheduler  # counters and gauges only: no history is scanned
+            return engine_stats(loop.engine, RequestLog()), len(s.running), len(s.waiting)
 
-        stats, running, waiting = await asyncio.wrap_future(loop.call(snapshot))
+        try:
+            stats, running, waiting = await asyncio.wrap_future(loop.call(snapshot))
+        except RequestFailed:  # the engine is gone: what the counters said last
+            stats, running, waiting = {}, 0, 0
         metrics.refresh(stats, running=running, waiting=waiting)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
     @app.post("/v1/completions")
+    @guarded
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
         req: CompletionRequest = await parse(request, CompletionRequest)
-        prompt: PromptType = req.prompt if isinstance(req.prompt, str) else \
-            {"prompt_token_ids": req.prompt}
-        return await serve(req, prompt, req.max_tokens, tenant, chat=False)
+        if isinstance(req.prompt, str):
+            text = prompt_text(req.prompt, max_len)
+            ids = await asyncio.to_thread(loop.engine.tokenizer.encode, text)
+            prompt: PromptType = {"prompt": text, "prompt_token_ids": ids}
+        else:
+            prompt = {"prompt_token_ids": req.prompt}
+        return await serve(request, req, prompt, req.max_tokens, tenant, chat=False)
 
     @app.post("/v1/chat/completions")
+    @guarded
     async def chat(request: Request) -> Response:
         tenant = tenant_of(request)
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         tokenizer = loop.engine.tokenizer
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            messages = [{"role": m.role, "content": prompt_text(m.text(), max_len)}
+                        for m in req.messages]
+            # the template and the tokenizer run off the event loop: other requests go on
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=True)
         except RequestError as e:
             raise ApiError(400, str(e)) from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return await serve(req, {"prompt": text, "prompt_token_ids": ids}, req.limit, tenant,
-                           chat=True)
+        text = prompt_text(text, max_len)
+        ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        return await serve(request, req, {"prompt": text, "prompt_token_ids": ids}, req.limit,
+                           tenant, chat=True)
 
-    async def serve(req: Any, prompt: PromptType, max_tokens: int | None, tenant: str,
-                    chat: bool) -> Response:
+    async def serve(request: Request, req: Any, prompt: PromptType, max_tokens: int | None,
+                    tenant: str, chat: bool) -> Response:
         try:
             params = req.sampling(max_tokens)
             salt = f"tenant={tenant}|salt={req.cache_salt or ''}"
             stream = await loop.submit(prompt, params, cache_salt=salt)
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e), kind="server_error") from None
         except KvtierError as e:
             raise ApiError(400, str(e)) from None
+        # Until a streaming response takes over (it watches the client itself), a client
+        # that goes away aborts the request at once: queued, or mid-generation.
+        watcher = asyncio.create_task(_on_disconnect(request,
+                                                     lambda: loop.abort(stream.request_id)))
+        try:
+            return await respond(req, stream, chat)
+        finally:
+            watcher.cancel()
+
+    async def respond(req: Any, stream: RequestStream, chat: bool) -> Response:
         events = stream.events()
         try:
             first = await anext(events)
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e), kind="server_error") from None
         except BaseException:
             loop.abort(stream.request_id)
             raise
+        if isinstance(first, RequestOutput):
+            _check(first)
         residency = first.residency
         headers = {RESIDENCY_HEADER: residency}
         if first.lossy:  # restored from 8-bit blocks: close to, not equal to, the exact KV
@@ -145,16 +183,18 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(sse(stream, first, events, shape, usage),
                                      media_type="text/event-stream", headers=headers)
+        out = first if isinstance(first, RequestOutput) else None
         try:
-            out = first if isinstance(first, RequestOutput) else None
             async for event in events:
                 if isinstance(event, RequestOutput):
                     out = event
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e), kind="server_error") from None
         finally:
             if out is None:
                 loop.abort(stream.request_id)
         assert out is not None
-        metrics.observe_request(out)
+        _check(out)
         return JSONResponse(shape.whole(out), headers=headers)
 
     async def sse(stream: RequestStream, first: StreamDelta | RequestOutput,
@@ -165,6 +205,11 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
         try:
             event = first
             while True:
+                if isinstance(event, RequestOutput) and event.finish_reason in ("error",
+                                                                                "abort"):
+                    done = True
+                    yield _sse_error(event.error or "the request was aborted", 500)
+                    return
                 if isinstance(event, RequestOutput):
                     if len(event.text) > sent:
                         yield shape.chunk(event.text[sent:], None)
@@ -172,19 +217,67 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
                     if usage:
                         yield shape.usage_chunk(event)
                     yield b"data: [DONE]\n\n"
-                    metrics.observe_request(event)
                     done = True
                     return
                 visible = len(event.text) - event.holdback
                 if visible > sent:
                     yield shape.chunk(event.text[sent:visible], None)
                     sent = visible
-                event = await anext(events)
+                try:
+                    event = await anext(events)
+                except RequestFailed as e:  # the engine failed it, or the server is going
+                    done = True
+                    metrics.observe_error(e.status)
+                    yield _sse_error(str(e), e.status)
+                    return
         finally:
             if not done:  # the client went away mid-stream: free its blocks now
                 loop.abort(stream.request_id)
 
     return app
+
+
+def guarded(handler: Callable[[Request], Awaitable[Response]]
+            ) -> Callable[[Request], Awaitable[Response]]:
+    """Whatever a handler did not foresee is a logged 500 in OpenAI's shape (counted, the
+    connection kept), never a plain-text traceback page."""
+
+    @functools.wraps(handler)
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError:
+            raise
+        except Exception as e:
+            log.exception("kvtier: %s %s failed", request.method, request.url.path)
+            raise ApiError(500, f"internal error ({type(e).__name__}); the server logged it",
+                           kind="server_error") from None
+
+    return run
+
+
+def _check(out: RequestOutput) -> None:
+    """A request the engine ended without an answer is a 500 (or, aborted, a 499: its
+    client is gone) in OpenAI's error shape."""
+    if out.finish_reason == "error":
+        raise ApiError(500, out.error or "the engine failed this request", kind="server_error")
+    if out.finish_reason == "abort":
+        raise ApiError(499, "the request was aborted (its client went away)", kind="aborted")
+
+
+def _sse_error(message: str, status: int) -> bytes:
+    """The error event vLLM's server streams, then the end of the stream."""
+    body = error_body(message, "server_error", str(status))
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _on_disconnect(request: Request, then: Any) -> None:
+    """Wait for the client to go away (the body is read already), then call `then()`."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            then()
+            return
 
 
 class _Shape:
@@ -241,6 +334,7 @@ def usage_of(out: RequestOutput) -> dict[str, Any]:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
             "restored_tokens": out.num_restored_tokens,
+            "swapped_in_tokens": out.num_swapped_in_tokens,
             "recomputed_tokens": out.num_recomputed_tokens,
             "restore_ms": round(out.metrics.restore_s * 1e3, 3),
             "residency": out.residency, "lossy": out.lossy}

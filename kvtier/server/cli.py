@@ -10,6 +10,9 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.flags import add_engine_args, engine_knobs
 
+DRAIN_SLACK_S = 5.0  # after the drain, time for the ended responses to reach their clients
+MAX_HEADER_BYTES = 64 * 1024  # a request's headers, beyond which uvicorn answers 431
+
 
 def add_serve_args(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server with residency in every response")
@@ -20,6 +23,11 @@ def add_serve_args(sub: Any) -> None:
     p.add_argument("--api-key", default=None, help="require this key (one tenant, 'default')")
     p.add_argument("--api-keys-file", default=None,
                    help="JSON object mapping API key -> tenant name (one namespace each)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="larger request bodies are refused with 413 (default: sized to the "
+                        "model's context)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="SIGTERM: seconds running requests get to finish before they are ended")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -55,21 +63,53 @@ def run_serve(args: argparse.Namespace) -> int:
     tenants = load_tenants(args.api_key, args.api_keys_file)
     engine = LLMEngine(EngineConfig.from_knobs(model=args.model, **engine_knobs(args)))
     name = args.served_model_name or Path(engine.model_source).name.split(".")[0]
-    loop = EngineLoop(engine)
-    app = build_app(loop, name, tenants, Metrics())
+    metrics = Metrics()
+    server: Any = None
+
+    def engine_died() -> None:  # from the engine thread: stop serving, exit non-zero
+        if server is not None:
+            server.should_exit = True
+
+    loop = EngineLoop(engine, on_death=engine_died, on_finished=metrics.observe_request)
+    app = build_app(loop, name, tenants, metrics, args.max_request_bytes)
 
     @app.on_event("startup")
     async def _start() -> None:
         loop.start()
 
     @app.on_event("shutdown")
-    async def _stop() -> None:  # SIGTERM: abort what runs, release the pools
-        aborted = loop.shutdown()
-        print(f"kvtier serve: shut down; {aborted} in-flight requests aborted, pools released",
-              flush=True)
+    async def _stop() -> None:  # after the drain: end what is left, write the tiers down
+        left = loop.shutdown()
+        print(f"kvtier serve: shut down; {left} requests still open were ended (503), pools "
+              "released", flush=True)
 
     print(f"kvtier serve: model '{name}' on http://{args.host}:{args.port}/v1", flush=True)
-    # uvicorn re-raises a captured SIGTERM after its graceful shutdown, as servers do.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_SLACK_S,
+                            timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+    server = _draining_server(config, loop, args.shutdown_timeout)
+    server.run()
+    if loop.dead is not None:
+        print(f"kvtier serve: exiting because the engine died: {loop.health()}", flush=True)
+        return 1
     return 0
+
+
+def _draining_server(config: Any, loop: Any, shutdown_timeout: float) -> Any:
+    """uvicorn's server, whose SIGTERM first drains: admission stops (503), running requests
+    get `shutdown_timeout` seconds to finish, then what is still open ends with an error."""
+    import threading
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not loop.draining:
+                loop.draining = True
+                timer = threading.Timer(shutdown_timeout, loop.fail_open,
+                                        ("the server is shutting down", 503))
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -16,14 +17,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(*args: str, startup_s: float = 120.0) -> tuple[subprocess.Popen[str], str]:
+def start_server(*args: str, startup_s: float = 120.0, env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen[str], str]:
     """(process, base url) once /health answers; KvtierError with the server's output if it
-    does not come up within `startup_s`."""
+    does not come up within `startup_s`. `env`: added to this process's environment."""
     import httpx
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline and proc.poll() is None:

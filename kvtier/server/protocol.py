@@ -1,4 +1,8 @@
-"""OpenAI request schemas (plus vLLM's `top_k` and `cache_salt`) and OpenAI-shaped errors."""
+"""OpenAI request schemas (plus vLLM's `top_k` and `cache_salt`) and OpenAI-shaped errors.
+
+Strict, as OpenAI's and vLLM's servers are: no string or boolean coerced to a number, no
+non-finite float, and a parameter kvtier does not implement is refused by name rather than
+silently ignored (an unknown one is ignored, as vLLM does)."""
 
 from __future__ import annotations
 
@@ -10,14 +14,28 @@ from kvtier.errors import RequestError
 from kvtier.sequence import SamplingParams
 
 MAX_TOKENS_DEFAULT = 256
+MAX_CACHE_SALT_CHARS = 256
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+# Parameters of OpenAI's or vLLM's API that kvtier does not implement, with the value that
+# means "off": any other value is refused (400) by name.
+UNSUPPORTED: dict[str, Any] = {
+    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+    "response_format": {"type": "text"}, "best_of": 1, "echo": False, "suffix": None,
+    "min_tokens": 0, "logprobs": False, "top_logprobs": 0, "prompt_logprobs": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "min_p": 0, "use_beam_search": False,
+}
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: str
     temperature: float = 1.0
@@ -28,7 +46,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    cache_salt: str | None = None  # vLLM's extra: a per-request prefix-cache namespace
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's extra
     ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens
     return_token_ids: bool = False  # vLLM's extra: the generated ids in the final choice
 
@@ -36,6 +54,12 @@ class _Common(BaseModel):
         """SamplingParams, or a RequestError naming the bad field."""
         if self.n != 1:
             raise RequestError(f"n={self.n} is not supported; kvtier returns one choice (n=1)")
+        extra = self.model_extra or {}
+        refused = sorted(k for k, off in UNSUPPORTED.items()
+                         if k in extra and extra[k] not in (None, off))
+        if refused:
+            raise RequestError(f"{', '.join(refused)}: not supported by kvtier; remove "
+                               f"{'it' if len(refused) == 1 else 'them'} from the request")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=MAX_TOKENS_DEFAULT if max_tokens is None else max_tokens,
@@ -49,19 +73,32 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    # None: an assistant turn that only called tools, as OpenAI accepts
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            if self.role == "assistant":
+                return ""
+            raise RequestError(f"a {self.role} message needs content")
         if isinstance(self.content, str):
             return self.content
-        parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-        if len(parts) != len(self.content):
-            raise RequestError("only text content parts are supported")
-        return "".join(parts)
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise RequestError("only text content parts ({\"type\": \"text\", \"text\": "
+                               "...}) are supported")
+        return "".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(_Common):

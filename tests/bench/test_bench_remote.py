@@ -33,3 +33,15 @@ def test_bench_drives_a_running_server(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_residency_from_a_servers_cached_token_count_alone() -> None:
+    from kvtier.bench.remote import _from_cached
+
+    # vLLM's usage details: its prefix cache plus what a connector loaded, no residency header
+    assert _from_cached(None, 1, 400) == "unknown"  # the server counts nothing
+    assert _from_cached(0, 0, 0) == "new"
+    assert _from_cached(128, 0, 0) == "cached"  # a shared system prompt on a first turn
+    assert _from_cached(384, 1, 400) == "cached"  # all full blocks of the earlier turns
+    assert _from_cached(0, 1, 400) == "recomputed"  # evicted everywhere, computed again
+    assert _from_cached(128, 2, 900) == "recomputed"  # only a short common prefix was reused

@@ -91,7 +91,9 @@ def test_swap_preemption_restores_the_whole_cache_including_the_partial_block(
     got = run(e, prompts, params)
     assert e.scheduler.stats.num_swaps > 0 and e.scheduler.stats.num_recompute_preemptions == 0
     assert all(same(g, w) for g, w in zip(got, want))
-    assert sum(g.num_restored_tokens for g in got) > 0
+    # their own state came back after preemption: swap-ins, not prompt tokens restored
+    assert sum(g.num_swapped_in_tokens for g in got) > 0
+    assert all(g.num_restored_tokens <= len(g.prompt_token_ids) for g in got)
     assert e.pool.num_used == 0 or e.tier.busy  # only in-flight write-through holds blocks
     e.close()
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from disk_file import flip_payload_byte
 from redis_server import RedisServer, redis_server_binary
-from vllm_run import KV_BYTES_PER_BLOCK, VLLM_PYTHON, parse, results, run_vllm
+from vllm_run import KV_BYTES_PER_BLOCK, VLLM_PYTHON, parse, prompts, results, run_vllm
 
 from kvtier.tier import TierConfig
 
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.vllm
 
 HOST = {"kv_offloading_size": 0.25}  # GiB: 45 blocks of 5.9 MB
 POOL = 24  # vLLM's own blocks
-PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 FULL = 7 * 128  # so every full block but the last can come from a cache
 DISK_GIB = 0.1  # 17 slots of 5.9 MB
 
@@ -45,15 +44,6 @@ def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvtier.model.loader import load_model
 
     return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
-
-
-def prompts(n_evictors: int = 4, seed: int = 0) -> list[list[int]]:
-    """A, then prompts that push A out of a 24-block pool, then A again."""
-    rng = random.Random(seed)
-    a = [rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
-    evictors = [[rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
-                for _ in range(n_evictors)]
-    return [a, *evictors, a]
 
 
 @pytest.fixture(scope="module")

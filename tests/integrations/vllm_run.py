@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ DRIVER = ROOT / "scripts" / "vllm_driver.py"
 # SmolLM2-135M in float32 on vLLM CPU, 128-token blocks: 30 layers x 3 KV heads x 128 x 2 x 64
 KV_BYTES_PER_BLOCK = 30 * 3 * 128 * 2 * 64 * 4
 MARK = "KVTIER_RESULT "
+PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 
 
 def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str] | None = None,
@@ -34,6 +36,15 @@ def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str
     return proc
 
 
+def prompts(n_evictors: int = 4, seed: int = 0) -> list[list[int]]:
+    """A, then prompts that push A out of a 24-block pool, then A again."""
+    rng = random.Random(seed)
+    a = [rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
+    evictors = [[rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
+                for _ in range(n_evictors)]
+    return [a, *evictors, a]
+
+
 def results(proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
     return parse(proc.stdout)["results"]
 
@@ -43,3 +54,78 @@ def parse(stdout: str) -> dict[str, Any]:
     lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
     assert lines, f"the vLLM driver printed no result; its output ends: {stdout[-2000:]}"
     return json.loads(lines[-1][len(MARK):])
+
+
+class VllmServer:
+    """`vllm serve` (the vLLM environment's CLI) on a free loopback port, float32, eager,
+    an exact pool of `blocks` 128-token blocks; with kvtier's connector when `connector` is
+    its extra config. Started by `start()` (waits for /health), stopped by `close()`."""
+
+    START_S = 300.0
+
+    def __init__(self, model: Path, connector: dict[str, Any] | None, blocks: int,
+                 log_path: Path, max_model_len: int = 2048) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.args = [
+            str(VLLM_PYTHON.parent / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(self.port), "--served-model-name", "default", "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", str(max_model_len), "--block-size", "128",
+            "--kv-cache-memory-bytes", str(blocks * KV_BYTES_PER_BLOCK), "--max-num-seqs", "4",
+            "--disable-hybrid-kv-cache-manager", "--enable-prompt-tokens-details", "--seed", "0"]
+        if connector is not None:
+            self.args += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "KvtierConnector",
+                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector})]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> VllmServer:
+        import time
+
+        import httpx
+
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        log.close()
+        deadline = time.monotonic() + self.START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vllm serve exited {self.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.close()
+        raise RuntimeError(f"vllm serve did not answer /health in {self.START_S:.0f} s")
+
+    def metrics(self, prefix: str = "vllm:kvtier_") -> dict[str, float]:
+        """The families under `prefix` that /metrics serves: 'name{labels}' -> value."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None

@@ -74,6 +74,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:kvtier_{key}", documentation=documentation,
                 labelnames=[*labelnames, *extra])
         self._bound: dict[tuple[str, int], Any] = {}
+        for key in COUNTERS:  # at 0 from the start; the by-tier ones once a tier has them
+            for engine in per_engine_labelvalues:
+                self._counter(key, engine)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
