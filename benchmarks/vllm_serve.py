@@ -4,10 +4,10 @@ of kvtier. vLLM's server tells no residency, only cached prompt tokens (its own 
 plus what a connector loaded, `--enable-prompt-tokens-details`): a later turn is "cached"
 when at least half of its session's earlier context was reused, else "recomputed".
 
-The pool is small (20 blocks of 128 tokens, SmolLM2-135M float32, 2 cores) so that the
+The pool is small (10 blocks of 128 tokens, SmolLM2-135M float32, 2 cores) so that the
 sessions' idle gaps let other sessions evict them from vLLM's own cache.
 
-    python benchmarks/vllm_serve.py [--sessions 8] [--blocks 20] [--out DIR]
+    python benchmarks/vllm_serve.py [--sessions 8] [--blocks 10] [--out DIR]
 Needs the vLLM environment: bash scripts/vllm_env.sh.
 """
 
@@ -40,7 +40,8 @@ def main() -> int:
     ap.add_argument("--turns", default="3,4")
     ap.add_argument("--think-s", default="4,8")
     ap.add_argument("--arrival-rate", type=float, default=0.5)
-    ap.add_argument("--blocks", type=int, default=20, help="vLLM's pool, 128-token blocks")
+    ap.add_argument("--blocks", type=int, default=10, help="vLLM's pool, 128-token blocks")
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
@@ -52,7 +53,8 @@ def main() -> int:
     model = export_hf(load_model(None), tmp / "smollm2-135m")
     rows: dict[str, Any] = {}
     for name, connector in CONFIGS.items():
-        server = VllmServer(model, connector, args.blocks, tmp / f"{name}.log").start()
+        server = VllmServer(model, connector, args.blocks, tmp / f"{name}.log",
+                            max_model_len=args.max_model_len).start()
         try:
             out = tmp / name
             cmd = [str(KVTIER), "bench", "--url", server.url, "--served-model", "default",
@@ -73,7 +75,8 @@ def main() -> int:
 
 
 def report(rows: dict[str, Any]) -> dict[str, Any]:
-    classes = sorted({c for r in rows.values() for c in r["summary"]["ttft_s"]} - {"all"})
+    classes = sorted({c for r in rows.values() for c, n in r["summary"]["residency_counts"].items()
+                      if n})
     print(f"{'config':<12} {'requests':>8} {'TTFT p50 ms':>12} "
           + " ".join(f"{c + ' p50 ms (n)':>22}" for c in classes))
     out: dict[str, Any] = {}
