@@ -26,6 +26,9 @@ def add_serve_args(sub: Any) -> None:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="larger request bodies are refused with 413 (default: sized to the "
                         "model's context)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers before the "
+                        "connection is closed")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="SIGTERM: seconds running requests get to finish before they are ended")
     add_engine_args(p)
@@ -84,7 +87,10 @@ def run_serve(args: argparse.Namespace) -> int:
               "released", flush=True)
 
     print(f"kvtier serve: model '{name}' on http://{args.host}:{args.port}/v1", flush=True)
+    from kvtier.server.http import header_deadline_protocol
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            http=header_deadline_protocol(args.header_timeout),
                             timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_SLACK_S,
                             timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     server = _draining_server(config, loop, args.shutdown_timeout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -256,3 +257,26 @@ def test_sigterm_drains_then_ends_open_streams_with_an_error_and_exits() -> None
     out, _ = proc.communicate(timeout=30)
     assert time.monotonic() - sent < 1 + 5 + 5  # drain, slack, shutdown
     assert "requests still open were ended" in out
+
+
+def test_a_client_trickling_headers_is_cut_off_at_the_header_timeout() -> None:
+    proc, url = start_server("--num-device-blocks", "16", "--header-timeout", "1")
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.settimeout(0.25)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvtier\r\n")
+            start, closed = time.monotonic(), False
+            while not closed and time.monotonic() - start < 8:
+                try:
+                    sock.sendall(b"X-Slow: 1\r\n")  # one header line at a time, never done
+                    closed = sock.recv(1) == b""
+                except TimeoutError:
+                    continue
+                except OSError:
+                    closed = True
+            assert closed and time.monotonic() - start < 4
+        assert health_s(url) < 1.0
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
