@@ -178,7 +178,8 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
         headers = {RESIDENCY_HEADER: residency}
         if first.lossy:  # restored from 8-bit blocks: close to, not equal to, the exact KV
             headers[LOSSY_HEADER] = "true"
-        shape = _Shape(stream.request_id, served_name, chat, req.return_token_ids)
+        shape = _Shape(stream.request_id, served_name, chat, req.return_token_ids,
+                       req.top_logprobs_k(), loop.engine.tokenizer)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(sse(stream, first, events, shape, usage),
@@ -283,27 +284,54 @@ async def _on_disconnect(request: Request, then: Any) -> None:
 class _Shape:
     """OpenAI's JSON shapes for one request: whole responses, SSE chunks, usage."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, token_ids: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, token_ids: bool = False,
+                 top_logprobs: int | None = None, tokenizer: Any = None) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.split("-")[-1]
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.first = True
         self.with_token_ids = token_ids
+        self.top_logprobs = top_logprobs  # None: no logprobs were asked for
+        self.tokenizer = tokenizer
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self, out: RequestOutput) -> dict[str, Any]:
+        logprobs = self._logprobs(out)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "finish_reason": out.finish_reason, "logprobs": None}
+                      "finish_reason": out.finish_reason, "logprobs": logprobs}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
-                      "logprobs": None}
+                      "logprobs": logprobs}
             obj = "text_completion"
         if self.with_token_ids:
             choice["token_ids"] = out.token_ids
         return {**self._base(obj), "choices": [choice], "usage": usage_of(out)}
+
+    def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: per generated token its log-probability under the
+        model and the `top_logprobs` most likely alternatives (chat and completions shapes)."""
+        if self.top_logprobs is None or out.logprobs is None:
+            return None
+        text = self.tokenizer.decode
+        steps = []
+        for token, lps in zip(out.token_ids, out.logprobs):
+            top = sorted(lps.items(), key=lambda kv: -kv[1])[:self.top_logprobs]
+            steps.append((text([token], False), lps[token], [(text([t], False), lp)
+                                                              for t, lp in top]))
+        if self.chat:
+            return {"content": [
+                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": [
+                    {"token": ts, "logprob": tlp, "bytes": list(ts.encode())}
+                    for ts, tlp in top]} for s, lp, top in steps]}
+        offsets, at = [], 0
+        for s, _, _ in steps:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": [s for s, _, _ in steps], "token_logprobs": [lp for _, lp, _ in steps],
+                "top_logprobs": [dict(top) for _, _, top in steps], "text_offset": offsets}
 
     def chunk(self, text: str, finish_reason: str | None,
               token_ids: list[int] | None = None) -> bytes:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.errors import RequestError
-from kvtier.sequence import SamplingParams
+from kvtier.sequence import MAX_LOGPROBS, SamplingParams
 
 MAX_TOKENS_DEFAULT = 256
 MAX_CACHE_SALT_CHARS = 256
@@ -22,7 +22,7 @@ UNSUPPORTED: dict[str, Any] = {
     "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
     "response_format": {"type": "text"}, "best_of": 1, "echo": False, "suffix": None,
-    "min_tokens": 0, "logprobs": False, "top_logprobs": 0, "prompt_logprobs": None,
+    "min_tokens": 0, "prompt_logprobs": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "structured_outputs": None, "min_p": 0, "use_beam_search": False,
 }
@@ -61,16 +61,28 @@ class _Common(BaseModel):
             raise RequestError(f"{', '.join(refused)}: not supported by kvtier; remove "
                                f"{'it' if len(refused) == 1 else 'them'} from the request")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        k = self.top_logprobs_k()
+        if k is not None and self.stream:
+            raise RequestError("logprobs with stream=true is not supported yet; ask without "
+                               "stream to get them")
         return SamplingParams(
             max_tokens=MAX_TOKENS_DEFAULT if max_tokens is None else max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            stop=stop, ignore_eos=self.ignore_eos,
+            stop=stop, ignore_eos=self.ignore_eos, logprobs=k,
         )
+
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives to return per generated token (None: no logprobs)."""
+        return None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
     max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI: top-k per token
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -105,6 +117,13 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def limit(self) -> int | None:

@@ -128,7 +128,7 @@ def test_a_failing_forward_pass_fails_its_step_and_the_engine_serves_on(server: 
     ("seed", '"5"', "seed"), ("max_tokens", '"5"', "max_tokens"),
     ("max_tokens", "true", "max_tokens"), ("stream", '"yes"', "stream"),
     ("top_k", "2.5", "top_k"), ("frequency_penalty", "0.5", "frequency_penalty"),
-    ("logit_bias", '{"5": 10}', "logit_bias"), ("logprobs", "3", "logprobs"),
+    ("logit_bias", '{"5": 10}', "logit_bias"), ("logprobs", "30", "logprobs"),
     ("response_format", '{"type": "json_object"}', "response_format"),
     ("cache_salt", json.dumps("s" * 257), "cache_salt"),
 ])
@@ -137,6 +137,28 @@ def test_values_the_engine_cannot_use_are_400s_naming_them(server: str, field: s
     r = post(server, f'{{"model": "tiny", "prompt": "hi", "max_tokens": 2, "{field}": {value}}}')
     assert r.status_code == 400, r.text
     assert named in r.json()["error"]["message"]
+
+
+def test_logprobs_come_back_in_openais_shapes(server: str) -> None:
+    out = ok(server, logprobs=3)["choices"][0]["logprobs"]
+    assert len(out["tokens"]) == len(out["token_logprobs"]) == len(out["top_logprobs"]) == 4
+    for chosen, top in zip(out["token_logprobs"], out["top_logprobs"]):
+        # keyed by text, as OpenAI's: two ids that decode alike (a partial UTF-8 byte) merge
+        assert 1 <= len(top) <= 3 and chosen <= 0.0
+        assert chosen == max(top.values())  # greedy: the chosen token is the most likely
+    assert out["text_offset"] == sorted(out["text_offset"])
+    r = post(server, {"model": "tiny", "max_tokens": 3, "temperature": 0, "logprobs": True,
+                      "top_logprobs": 2, "messages": [{"role": "user", "content": "Hi"}]},
+             path="/v1/chat/completions")
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    refused = post(server, {"model": "tiny", "max_tokens": 3, "top_logprobs": 2,
+                            "messages": [{"role": "user", "content": "Hi"}]},
+                   path="/v1/chat/completions")
+    assert refused.status_code == 400 and "logprobs=true" in refused.json()["error"]["message"]
+    streamed = post(server, {"model": "tiny", "prompt": "hi", "logprobs": 2, "stream": True})
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
 
 
 def test_values_that_mean_off_or_greedy_are_served(server: str) -> None:
