@@ -3,10 +3,8 @@ is cheap), SmolLM2-135M exported from the embedded GGUF. Every scenario checks t
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ from typing import Any
 import pytest
 from disk_file import flip_payload_byte
 from redis_server import RedisServer, redis_server_binary
-from vllm_run import KV_BYTES_PER_BLOCK, VLLM_PYTHON, parse, prompts, results, run_vllm
+from vllm_run import KV_BYTES_PER_BLOCK, parse, prompts, results, run_vllm, vllm_or_skip
 
 from kvtier.tier import TierConfig
 
@@ -28,14 +26,7 @@ DISK_GIB = 0.1  # 17 slots of 5.9 MB
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    ready = VLLM_PYTHON.exists() and subprocess.run(
-        [str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True).returncode == 0
-    if not ready:
-        why = f"no vLLM environment at {VLLM_PYTHON}; run bash scripts/vllm_env.sh"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return VLLM_PYTHON
+    return vllm_or_skip()
 
 
 @pytest.fixture(scope="session")

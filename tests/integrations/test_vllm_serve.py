@@ -4,13 +4,11 @@ the /metrics the server exports."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from vllm_run import KV_BYTES_PER_BLOCK, VLLM_PYTHON, VllmServer, prompts
+from vllm_run import KV_BYTES_PER_BLOCK, VllmServer, prompts, vllm_or_skip
 
 pytestmark = pytest.mark.vllm
 FULL = 7 * 128
@@ -18,13 +16,7 @@ FULL = 7 * 128
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    ready = VLLM_PYTHON.exists() and subprocess.run(
-        [str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True).returncode == 0
-    if not ready:
-        why = f"no vLLM environment at {VLLM_PYTHON}; run bash scripts/vllm_env.sh"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
+    vllm_or_skip()
     from kvtier.model.export import export_hf
     from kvtier.model.loader import load_model
 

@@ -21,6 +21,21 @@ MARK = "KVTIER_RESULT "
 PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 
 
+def vllm_or_skip() -> Path:
+    """The vLLM environment's python; the test skips without one (fails under CI, whose
+    `make test` builds it)."""
+    import pytest
+
+    ready = VLLM_PYTHON.exists() and subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True).returncode == 0
+    if not ready:
+        why = f"no vLLM environment at {VLLM_PYTHON}; run bash scripts/vllm_env.sh"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return VLLM_PYTHON
+
+
 def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str] | None = None,
              check: bool = True) -> subprocess.CompletedProcess[str]:
     spec = {"kv_bytes_per_block": KV_BYTES_PER_BLOCK, **spec}
