@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,13 +24,25 @@ FAULTS = {"KVTIER_FAULT_SAMPLE_SEED": "13", "KVTIER_FAULT_STEP_SEED": "14"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+def started() -> Iterator[tuple[Any, str]]:
     proc, url = start_server("--num-device-blocks", "64", "--kv-offloading-size", "0.02",
                              env=FAULTS)
-    yield url
+    yield proc, url
     proc.terminate()
     out, _ = proc.communicate(timeout=60)
     assert "Traceback" not in out.split("kvtier serve: shut down")[-1]
+
+
+@pytest.fixture(scope="module")
+def server(started: tuple[Any, str]) -> str:
+    return started[1]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
 
 
 def post(url: str, body: dict[str, Any] | str, path: str = "/v1/completions",
@@ -201,7 +214,9 @@ def test_an_assistant_turn_with_only_tool_calls_is_accepted(server: str) -> None
     assert r.status_code == 200, r.text
 
 
-def test_bodies_and_prompts_are_bounded_before_any_work(server: str) -> None:
+def test_bodies_and_prompts_are_bounded_before_any_work(started: tuple[Any, str]) -> None:
+    proc, server = started
+    rss_before = rss_bytes(proc.pid)
     start = time.perf_counter()
     big = post(server, {"model": "tiny", "prompt": "a" * (52 << 20)})
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
@@ -213,6 +228,8 @@ def test_bodies_and_prompts_are_bounded_before_any_work(server: str) -> None:
     long = post(server, {"model": "tiny", "prompt": "ab " * 23_400})  # 70 KB
     assert long.status_code == 400 and "characters" in long.json()["error"]["message"]
     assert health_s(server) < 1.0
+    # the 52 MB body was refused from its Content-Length: never read, never held
+    assert rss_bytes(proc.pid) - rss_before < 32 << 20
 
 
 def test_a_whole_request_is_aborted_when_its_client_goes(server: str) -> None:
@@ -299,6 +316,55 @@ def test_a_client_trickling_headers_is_cut_off_at_the_header_timeout() -> None:
                     closed = True
             assert closed and time.monotonic() - start < 4
         assert health_s(url) < 1.0
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+BAD_BODIES = [
+    '{"model": "tiny", "prompt": "hi", "temperature": Infinity}',
+    '{"model": "tiny", "prompt": "hi", "seed": 1180591620717411303424}',
+    '{"model": "tiny", "prompt": "hi", "max_tokens": "5"}',
+    '{"model": "tiny", "prompt": "hi", "logit_bias": {"5": 1}}',
+    '{"model": "tiny", "prompt": ' + "[" * 300 + "]" * 300 + "}",
+    '{"model": "tiny", "prompt": "\\ud800"}',
+    '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+    '{"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "seed": 13}',
+]
+
+
+def test_a_stream_of_another_tenant_survives_every_kind_of_bad_request(server: str) -> None:
+    other = Stream(server, max_tokens=120)
+    other.start()
+    assert other.started.wait(60)
+    for body in BAD_BODIES:
+        path = "/v1/chat/completions" if '"messages"' in body else "/v1/completions"
+        r = post(server, body, path=path)
+        assert 400 <= r.status_code <= 500 and r.json()["error"]["message"], body[:80]
+        assert health_s(server) < 1.0
+    other.join(120)
+    assert other.done and other.finish_reason == "length"
+    ok(server)
+    assert metric(server, "kvtier_device_blocks", state="used") == 0
+
+
+def test_a_queued_stream_is_aborted_when_its_client_goes() -> None:
+    proc, url = start_server("--num-device-blocks", "64", "--max-num-seqs", "1")
+    try:
+        running = Stream(url, max_tokens=400)  # holds the only slot
+        running.start()
+        assert running.started.wait(60)
+        body = {"model": "tiny", "prompt": "queued", "max_tokens": 8, "stream": True}
+        with (pytest.raises(httpx.ReadTimeout),  # queued behind it: no first byte in time
+              httpx.stream("POST", url + "/v1/completions", json=body, timeout=1.0) as r):
+            r.read()
+        deadline = time.monotonic() + 10
+        while metric(url, "kvtier_requests_total", status="abort") < 1:
+            assert time.monotonic() < deadline, "the queued request was not aborted"
+            time.sleep(0.1)
+        assert not running.done  # aborted while the other was still generating
+        running.join(120)
+        assert running.done
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
