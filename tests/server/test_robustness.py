@@ -351,12 +351,12 @@ def test_a_stream_of_another_tenant_survives_every_kind_of_bad_request(server: s
 def test_a_queued_stream_is_aborted_when_its_client_goes() -> None:
     proc, url = start_server("--num-device-blocks", "64", "--max-num-seqs", "1")
     try:
-        running = Stream(url, max_tokens=400)  # holds the only slot
+        running = Stream(url, max_tokens=900)  # holds the only slot for ~4 s
         running.start()
         assert running.started.wait(60)
         body = {"model": "tiny", "prompt": "queued", "max_tokens": 8, "stream": True}
         with (pytest.raises(httpx.ReadTimeout),  # queued behind it: no first byte in time
-              httpx.stream("POST", url + "/v1/completions", json=body, timeout=1.0) as r):
+              httpx.stream("POST", url + "/v1/completions", json=body, timeout=0.5) as r):
             r.read()
         deadline = time.monotonic() + 10
         while metric(url, "kvtier_requests_total", status="abort") < 1:
