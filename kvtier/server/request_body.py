@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import Request
 
-BYTES_PER_TOKEN = 32  # a token as JSON-escaped text (\uXXXX is 6 bytes a character)
+BYTES_PER_TOKEN = 32  # a token as JSON-escaped text (a \u escape is 6 bytes a character)
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer packs more characters than this into a token
 MAX_JSON_DEPTH = 32  # far beyond any OpenAI request's nesting
 
