@@ -37,10 +37,6 @@ class Faults:
         return cls(_seed("KVTIER_FAULT_SAMPLE_SEED"), _seed("KVTIER_FAULT_STEP_SEED"),
                    _seed("KVTIER_FAULT_FATAL_SEED"))
 
-    @property
-    def active(self) -> bool:
-        return any(s is not None for s in (self.sample_seed, self.step_seed, self.fatal_seed))
-
     def admitted(self, params: SamplingParams) -> None:
         if self.fatal_seed is not None and params.seed == self.fatal_seed:
             self.fatal = True

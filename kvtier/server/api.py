@@ -28,7 +28,6 @@ from kvtier.output import RequestOutput, StreamDelta
 from kvtier.server.engine_loop import EngineLoop, RequestFailed, RequestStream
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvtier.server.request_body import (
-    MAX_JSON_DEPTH,
     ApiError,
     default_max_request_bytes,
     json_body,
@@ -76,9 +75,6 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"
             raise ApiError(400, f"{where}: {first['msg']}") from None
-        except RecursionError:
-            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} "
-                           "levels") from None
         if parsed.model not in names:
             raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves "
                            f"'{served_name}'", "model_not_found")
@@ -167,9 +163,7 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
         events = stream.events()
         try:
             first = await anext(events)
-        except RequestFailed as e:
-            raise ApiError(e.status, str(e), kind="server_error") from None
-        except BaseException:
+        except BaseException:  # a RequestFailed is answered by `guarded`
             loop.abort(stream.request_id)
             raise
         if isinstance(first, RequestOutput):
@@ -189,8 +183,6 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
             async for event in events:
                 if isinstance(event, RequestOutput):
                     out = event
-        except RequestFailed as e:
-            raise ApiError(e.status, str(e), kind="server_error") from None
         finally:
             if out is None:
                 loop.abort(stream.request_id)
@@ -240,8 +232,9 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
 
 def guarded(handler: Callable[[Request], Awaitable[Response]]
             ) -> Callable[[Request], Awaitable[Response]]:
-    """Whatever a handler did not foresee is a logged 500 in OpenAI's shape (counted, the
-    connection kept), never a plain-text traceback page."""
+    """A request the engine could not serve is its 500 or 503, and whatever a handler did
+    not foresee a logged 500, in OpenAI's shape (counted, the connection kept), never a
+    plain-text traceback page."""
 
     @functools.wraps(handler)
     async def run(request: Request) -> Response:
@@ -249,6 +242,8 @@ def guarded(handler: Callable[[Request], Awaitable[Response]]
             return await handler(request)
         except ApiError:
             raise
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e), kind="server_error") from None
         except Exception as e:
             log.exception("kvtier: %s %s failed", request.method, request.url.path)
             raise ApiError(500, f"internal error ({type(e).__name__}); the server logged it",

@@ -7,7 +7,6 @@ the tiers' read rates are probed, then the planner, the indexes and the manager 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
+from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
 from kvtier.tier.worker.link import TransferEngine
@@ -69,21 +69,11 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
         if config.disk_enabled:
             disk_store, disk_tier = open_disk(config, host, namespace, block_size)
             undo.callback(disk_store.close)
-            calibration.tier_gbps[Medium.DISK.value] = _disk_rate(config, host.slot_bytes)
         remote_store = _open_remote(config, namespace, undo)
-        if remote_store is not None:
-            calibration.tier_gbps[Medium.REMOTE.value] = remote_rate(
-                remote_store, host.slot_bytes, config.remote_kv_read_gbps)
-        ids = job_ids()
-        host_tier = HostTier(host.num_slots, config.eviction_policy)
-        presence = RemotePresence(remote_store.exists_many) if remote_store else None
-        below = _below(host_tier, disk_tier, presence, host.slot_bytes, ids, host.encoding)
-        io = None
-        if below is not None:
-            io = TierIO(host, namespace, disk_store, remote_store,
-                        disk_max_gbps=config.disk_kv_max_gbps)
-        manager = TierManager(config, block_size, host_tier, Planner(calibration),
-                              link.layout.block_nbytes, below, ids)
+        manager, presence = _manager(config, block_size, host.num_slots, host.slot_bytes,
+                                     host.encoding, link.layout.block_nbytes, calibration,
+                                     disk_tier, remote_store)
+        io = _io(config, host, namespace, disk_store, remote_store)
         tier = Tier(manager, TierWorker(host, link, io, disk_store, remote_store), presence)
         undo.pop_all()
     return tier
@@ -118,18 +108,11 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
         disk_tier = None
         if config.disk_enabled:
             disk_tier = read_disk_index(config, block_nbytes, "", namespace, block_size)
-            calibration.tier_gbps[Medium.DISK.value] = _disk_rate(config, block_nbytes)
         remote_store = _open_remote(config, namespace, undo)
-        if remote_store is not None:
-            calibration.tier_gbps[Medium.REMOTE.value] = remote_rate(
-                remote_store, block_nbytes, config.remote_kv_read_gbps)
-        ids = job_ids()
-        host_tier = HostTier(host_slot_count(config.kv_offloading_size, block_nbytes),
-                             config.eviction_policy)
-        presence = RemotePresence(remote_store.exists_many) if remote_store else None
-        below = _below(host_tier, disk_tier, presence, block_nbytes, ids, "")
-        manager = TierManager(config, block_size, host_tier, Planner(calibration),
-                              block_nbytes, below, ids)
+        manager, presence = _manager(config, block_size,
+                                     host_slot_count(config.kv_offloading_size, block_nbytes),
+                                     block_nbytes, "", block_nbytes, calibration, disk_tier,
+                                     remote_store)
         side = SchedulerTier(manager, presence, remote_store)
         undo.pop_all()
     return side
@@ -148,20 +131,39 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
             disk_store, _ = open_disk(config, host, namespace, block_size)
             undo.callback(disk_store.close)
         remote_store = _open_remote(config, namespace, undo)
-        io = None
-        if disk_store is not None or remote_store is not None:
-            io = TierIO(host, namespace, disk_store, remote_store,
-                        disk_max_gbps=config.disk_kv_max_gbps)
+        io = _io(config, host, namespace, disk_store, remote_store)
         undo.pop_all()
     return TierWorker(host, link, io, disk_store, remote_store)
 
 
-def _below(host: HostTier, disk: DiskTier | None, presence: RemotePresence | None,
-           slot_bytes: int, ids: Iterator[int], encoding: str) -> BelowHost | None:
-    if disk is None and presence is None:
+def _manager(config: TierConfig, block_size: int, host_slots: int, slot_bytes: int,
+             encoding: str, block_nbytes: int, calibration: Calibration,
+             disk: DiskTier | None, remote_store: RedisStore | None
+             ) -> tuple[TierManager, RemotePresence | None]:
+    """The bookkeeping: the deeper tiers' read rates measured into `calibration`, then the
+    indexes (host, disk, remote presence), the planner and the manager over them."""
+    if disk is not None:
+        calibration.tier_gbps[Medium.DISK.value] = _disk_rate(config, slot_bytes)
+    if remote_store is not None:
+        calibration.tier_gbps[Medium.REMOTE.value] = remote_rate(
+            remote_store, slot_bytes, config.remote_kv_read_gbps)
+    ids = job_ids()
+    host = HostTier(host_slots, config.eviction_policy)
+    presence = RemotePresence(remote_store.exists_many) if remote_store is not None else None
+    below = None
+    if disk is not None or presence is not None:
+        remote = RemoteTier(presence) if presence is not None else None
+        below = BelowHost(host, disk, remote, slot_bytes, ids, encoding)
+    return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below,
+                       ids), presence
+
+
+def _io(config: TierConfig, host: HostPool, namespace: bytes, disk: DiskStore | None,
+        remote: RedisStore | None) -> TierIO | None:
+    """The I/O thread to the tiers below host, if there is one."""
+    if disk is None and remote is None:
         return None
-    remote = RemoteTier(presence) if presence is not None else None
-    return BelowHost(host, disk, remote, slot_bytes, ids, encoding)
+    return TierIO(host, namespace, disk, remote, disk_max_gbps=config.disk_kv_max_gbps)
 
 
 def _disk_rate(config: TierConfig, slot_bytes: int) -> float:
