@@ -11,7 +11,7 @@ from kvtier.errors import ConfigError
 from kvtier.flags import add_engine_args, engine_knobs
 
 DRAIN_SLACK_S = 5.0  # after the drain, time for the ended responses to reach their clients
-MAX_HEADER_BYTES = 64 * 1024  # a request's headers, beyond which uvicorn answers 431
+MAX_HEADER_BYTES = 64 * 1024  # a request's headers, beyond which uvicorn answers 400
 
 
 def add_serve_args(sub: Any) -> None:

@@ -113,8 +113,8 @@ class WorkerSide:
 
     def take_results(self) -> list[Result]:
         results, self._results = self._results, []
-        if self.worker is not None and self.worker.io is not None:
-            results += self.worker.io.poll()  # the device link's were all waited for
+        if self.worker is not None:
+            results += self.worker.poll()  # the I/O thread's (the link's were all waited for)
         return results
 
     def take_load_errors(self) -> set[int]:
