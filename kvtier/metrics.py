@@ -28,7 +28,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.sequence import RESIDENCY_CLASSES
+from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 
 if TYPE_CHECKING:
     from kvtier.output import RequestOutput
@@ -58,6 +58,11 @@ class Metrics:
             f"{PREFIX}time_to_first_token_seconds",
             "Time from arrival to first token, by where the request's prior state lived.",
             ["residency"], buckets=TTFT_BUCKETS, registry=r)
+        self.ttft_part = Histogram(
+            f"{PREFIX}time_to_first_token_part_seconds",
+            "The TTFT split by the engine: queue (waiting to be admitted), tier (waiting for "
+            "prior state: fetch, restore or its recompute), compute (the new tokens); by "
+            "residency.", ["part", "residency"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(
             f"{PREFIX}inter_token_latency_seconds",
             "Mean time between output tokens of one request, by residency.",
@@ -93,6 +98,8 @@ class Metrics:
         for cls in RESIDENCY_CLASSES:
             self.ttft.labels(residency=cls)
             self.itl.labels(residency=cls)
+            for part in SPLIT_PARTS:
+                self.ttft_part.labels(part=part, residency=cls)
         for status in FINISH_STATUSES:
             self.requests.labels(status=status)
         self._engine = EngineCollector()
@@ -104,6 +111,10 @@ class Metrics:
         m = out.metrics
         if m.ttft_s is not None:
             self.ttft.labels(residency=residency).observe(m.ttft_s)
+            for part in SPLIT_PARTS:
+                value = getattr(m, f"{part}_s")
+                if value is not None:
+                    self.ttft_part.labels(part=part, residency=residency).observe(value)
         if m.decode_s is not None and len(out.token_ids) > 1:
             self.itl.labels(residency=residency).observe(m.decode_s / (len(out.token_ids) - 1))
         self.restore_bytes.observe(out.restore_bytes)

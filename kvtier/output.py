@@ -5,18 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.sequence import Sequence
+from kvtier.sequence import Phase, Sequence
 
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Per-request timings in seconds (TTFT from arrival; decode from first token to finish)."""
+    """Per-request timings in seconds (TTFT from arrival; decode from first token to finish).
+
+    The TTFT splits into queue_s + tier_s + compute_s (each None before the first token):
+    waiting to be admitted (device blocks included), waiting for prior state (a fetch below
+    host, a host restore, or the prefill that rebuilds it), and computing the new tokens.
+    """
 
     ttft_s: float | None
     decode_s: float | None
     queue_s: float | None
     num_preemptions: int
     restore_s: float = 0.0  # wall time of this request's host -> device loads
+    tier_s: float | None = None
+    compute_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,6 @@ class RequestOutput:
     @classmethod
     def of(cls, seq: Sequence) -> RequestOutput:
         t = seq.timings
-        queue_s = None if t.first_scheduled is None else t.first_scheduled - t.arrival
         return cls(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -75,8 +81,9 @@ class RequestOutput:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            metrics=RequestMetrics(t.ttft_s, t.decode_s, queue_s, seq.num_preemptions,
-                                   seq.restore_s),
+            metrics=RequestMetrics(t.ttft_s, t.decode_s, t.part_s(Phase.QUEUE),
+                                   seq.num_preemptions, seq.restore_s, t.part_s(Phase.TIER),
+                                   t.part_s(Phase.COMPUTE)),
             finished=seq.is_finished, residency=seq.residency,
             num_restored_tokens=seq.num_restored_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,

@@ -77,18 +77,73 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Phase(enum.Enum):
+    """Where a request's time to first token goes: waiting to be admitted (queue), waiting for
+    its prior state (tier: a fetch, a restore, or the prefill that recomputes it), or
+    computing its new tokens (compute)."""
+
+    QUEUE = "queue"
+    TIER = "tier"
+    COMPUTE = "compute"
+
+
+SPLIT_PARTS = tuple(p.value for p in Phase)  # queue, tier, compute: they add up to the TTFT
+
+
 @dataclass
 class RequestTimings:
-    """Wall-clock instants of a request's life, from which TTFT and decode speed are derived."""
+    """Wall-clock instants of a request's life, and a ledger that charges every interval from
+    arrival to first token to one Phase, so the parts add up to the TTFT by construction."""
 
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    phase: Phase = Phase.QUEUE  # what the request is doing now (until its first token)
+    # Prompt tokens that only rebuild state the request already had (declined restores,
+    # failed loads, a recompute preemption): computing them is tier time, not compute.
+    state_tokens: int = 0
+    split: dict[Phase, float] = field(default_factory=lambda: dict.fromkeys(Phase, 0.0))
+    _mark: float = field(default=-1.0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._mark < 0:
+            self._mark = self.arrival
+
+    def enter(self, phase: Phase, now: float) -> None:
+        """Charge the time since the last mark to the current phase, then switch to `phase`."""
+        if self.first_token is not None:
+            return
+        self.split[self.phase] += max(0.0, now - self._mark)
+        self._mark = max(self._mark, now)
+        self.phase = phase
+
+    def step(self, start: float, end: float, tier_s: float, ready: bool) -> None:
+        """One engine step that computed part of this request's prompt: `tier_s` of it went
+        to its prior state (a recompute's share, a layerwise load's stall), the rest to compute.
+        Not `ready`: the step only rebuilt prior state, so all of it is tier time."""
+        if self.first_token is not None:
+            return
+        self.enter(self.phase, start)  # the gap before the step, in whatever it waited in
+        duration = max(0.0, end - self._mark)
+        tier_s = duration if not ready else min(max(tier_s, 0.0), duration)
+        self.split[Phase.TIER] += tier_s
+        self.split[Phase.COMPUTE] += duration - tier_s
+        self._mark = max(self._mark, end)
+        self.phase = Phase.COMPUTE if ready else Phase.TIER
+
+    def first(self, now: float) -> None:
+        """The first token: close the ledger."""
+        self.enter(self.phase, now)
+        self.first_token = now
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    def part_s(self, phase: Phase) -> float | None:
+        """Seconds of the TTFT spent in `phase`; None before the first token."""
+        return None if self.first_token is None else self.split[phase]
 
     @property
     def decode_s(self) -> float | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.output import RequestOutput
-from kvtier.sequence import RESIDENCY_CLASSES
+from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -46,6 +46,17 @@ class RequestLog:
                                   if o.residency == cls and o.metrics.ttft_s is not None])
         return out
 
+    def split_by_class(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
+        """Per residency class (and "all"): queue, tier and compute parts of the TTFT."""
+        out = {}
+        for cls in ("all", *RESIDENCY_CLASSES):
+            chosen = [o.metrics for o in self.outputs if o.metrics.ttft_s is not None
+                      and cls in ("all", o.residency)]
+            out[cls] = {part: summarize([getattr(m, f"{part}_s") for m in chosen
+                                         if getattr(m, f"{part}_s") is not None])
+                        for part in SPLIT_PARTS}
+        return out
+
     def restore_summary(self) -> dict[str, Any]:
         n = len(self.outputs)
         restored = [o for o in self.outputs if o.num_restored_tokens]
@@ -65,6 +76,7 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
     pool, sched = engine.pool, engine.scheduler
     report: dict[str, Any] = {
         "ttft_s": log.ttft_by_class(),
+        "ttft_split_s": log.split_by_class(),
         **log.restore_summary(),
         "device_blocks": {"total": pool.num_blocks, "used": pool.num_used,
                           "cached": pool.num_cached},

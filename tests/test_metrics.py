@@ -3,6 +3,7 @@ like `engine_stats`, render, and parse the text back with prometheus_client's ow
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -120,6 +121,23 @@ def test_histograms_split_ttft_and_itl_by_residency() -> None:
     assert value(s, f"{rb}_bucket", le=floatToGoString(1 << 20)) == 3
     assert value(s, f"{rb}_bucket", le=floatToGoString(4 << 20)) == 4
     assert value(s, f"{rb}_bucket", le=floatToGoString(16 * GiB)) == 4
+
+
+def test_the_ttft_split_is_a_histogram_by_part_and_residency() -> None:
+    m = Metrics()
+    out = request("a", "host", ttft=0.3, decode=0.1, n_prompt=8, n_out=2)
+    split = RequestMetrics(ttft_s=0.3, decode_s=0.1, queue_s=0.05, num_preemptions=0,
+                           tier_s=0.2, compute_s=0.05)
+    m.observe_request(dataclasses.replace(out, metrics=split))
+    m.observe_request(request("b", "new", ttft=None, decode=None, n_prompt=4, n_out=0))
+    s = scrape(m)
+    name = "kvtier_time_to_first_token_part_seconds"
+    for part, seconds in (("queue", 0.05), ("tier", 0.2), ("compute", 0.05)):
+        assert value(s, f"{name}_count", part=part, residency="host") == 1
+        assert value(s, f"{name}_sum", part=part, residency="host") == pytest.approx(seconds)
+        assert value(s, f"{name}_count", part=part, residency="new") == 0  # no first token
+    assert value(s, f"{name}_bucket", part="tier", residency="host", le="0.25") == 1
+    assert value(s, f"{name}_bucket", part="tier", residency="host", le="0.15") == 0
 
 
 def test_counters_add_up_tokens_statuses_and_errors() -> None:

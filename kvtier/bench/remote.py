@@ -107,6 +107,7 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
         residency = _from_cached(details.get("cached_tokens"), turn, prior)
     residency = session_residency(residency, turn)
     first = first if first is not None else last
+    split = _split(usage, first - sent)
     return {
         "config": run.name, "session_id": sid, "turn": turn,
         "context_tokens": len(body["prompt"]), "output_tokens": n, "ttft_s": first - sent,
@@ -115,9 +116,21 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
         "recomputed_tokens": usage.get("recomputed_tokens", 0),
         "cached_tokens": details.get("cached_tokens") or 0,
         "restore_bytes": 0, "restore_s": usage.get("restore_ms", 0.0) / 1e3,
-        "arrival_s": sent, "finish_s": last,
+        **split, "arrival_s": sent, "finish_s": last,
         "_token_ids": list(ids) if ids else [STAND_IN_ID + k % 1000 for k in range(n)],
     }
+
+
+def _split(usage: dict[str, Any], ttft_s: float) -> dict[str, float | None]:
+    """The server's queue / tier / compute parts (kvtier's usage extension) in seconds, with
+    what the client saw beyond the server's own TTFT (HTTP, the server's event loop) added
+    to the queue part, so the parts add up to the TTFT measured here. None where the server
+    does not report them."""
+    ms = [usage.get(f"{k}_ms") for k in ("ttft", "queue", "tier", "compute")]
+    if any(not isinstance(v, (int, float)) for v in ms):
+        return {"queue_s": None, "tier_s": None, "compute_s": None}
+    ttft, queue, tier, compute = (v / 1e3 for v in ms)
+    return {"queue_s": queue + max(0.0, ttft_s - ttft), "tier_s": tier, "compute_s": compute}
 
 
 def _from_cached(cached: int | None, turn: int, prior: int) -> str:

@@ -135,5 +135,6 @@ def _record(config: str, sid: str, turn: int, sent: float, finished: float, cont
         "residency": residency, "restored_tokens": out.num_restored_tokens,
         "recomputed_tokens": out.num_recomputed_tokens, "cached_tokens": out.num_cached_tokens,
         "restore_bytes": out.restore_bytes, "restore_s": out.metrics.restore_s,
-        "arrival_s": sent, "finish_s": finished,
+        "queue_s": out.metrics.queue_s, "tier_s": out.metrics.tier_s,
+        "compute_s": out.metrics.compute_s, "arrival_s": sent, "finish_s": finished,
     }

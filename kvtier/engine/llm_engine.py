@@ -27,7 +27,7 @@ from kvtier.model.loader import LoadedModel, load_model
 from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
-from kvtier.sequence import SamplingParams, Sequence
+from kvtier.sequence import Phase, SamplingParams, Sequence
 from kvtier.tier import BlockKey, Fingerprint
 
 PromptType = str | list[int] | dict[str, Any]
@@ -164,6 +164,7 @@ class LLMEngine:
             scheduler.apply(tier.wait_any())  # blocked on a swap's store or a wake's load
             return []
         start = time.perf_counter()
+        self._mark_held_back(batch, start)
         try:
             self.faults.before_forward(s.seq.params for s in batch.scheduled)
             sampled = self.runner.execute(batch.scheduled, tier.layer_barrier(batch))
@@ -174,12 +175,37 @@ class LLMEngine:
             return self._fail({s.seq.request_id: why for s in batch.scheduled})
         void = scheduler.apply(tier.finish_layerwise(batch))  # failed loads void their step
         tier.observe_prefill(batch, time.perf_counter() - start)
-        outputs = self._postprocess(batch, sampled, void)
+        outputs = self._postprocess(batch, sampled, void, start)
         tier.submit()  # write-through of what just finished
         return outputs
 
+    def _mark_held_back(self, batch: SchedulerOutput, now: float) -> None:
+        """Running requests left out of this step (no token budget or device blocks) and not
+        waiting on a load are queued, as far as their TTFT is concerned."""
+        scheduled = {s.seq.request_id for s in batch.scheduled}
+        for seq in self.scheduler.running:
+            if seq.request_id not in scheduled and seq.loading is None:
+                seq.timings.enter(Phase.QUEUE, now)
+
+    def _charge_step(self, batch: SchedulerOutput, start: float, now: float,
+                     void: set[str]) -> None:
+        """Split this step's time, per request still before its first token, into tier (its
+        share of tokens that rebuild prior state, and any layerwise-load stall) and compute."""
+        stalls = self.tier.stalls()
+        for s in batch.scheduled:
+            t = s.seq.timings
+            if s.seq.request_id in void:  # a failed layerwise load: the step was lost to it
+                t.step(start, now, 0.0, ready=False)
+                continue
+            n = s.num_new_tokens
+            rebuilt = min(max(t.state_tokens - s.start, 0), n)
+            stall = min(stalls.get(s.seq.request_id, 0.0), now - start)
+            tier_s = stall + (now - start - stall) * rebuilt / n if n else stall
+            t.step(start, now, tier_s, ready=s.start + n >= t.state_tokens)
+
     def _postprocess(
-        self, batch: SchedulerOutput, sampled: dict[str, SampleResult], void: set[str]
+        self, batch: SchedulerOutput, sampled: dict[str, SampleResult], void: set[str],
+        start: float,
     ) -> list[RequestOutput]:
         failed = {rid: str(r.error) for rid, r in sampled.items() if r.error is not None}
         failed |= {s.seq.request_id: "injected: sampling failed" for s in batch.scheduled
@@ -188,6 +214,7 @@ class LLMEngine:
             batch, {rid: r.token_id for rid, r in sampled.items() if rid not in void},
             void | failed.keys())
         now = time.perf_counter()
+        self._charge_step(batch, start, now, void)
         done: list[Sequence] = []
         for s in batch.scheduled:
             rid = s.seq.request_id
@@ -196,7 +223,7 @@ class LLMEngine:
                 continue
             seq = s.seq
             if seq.timings.first_token is None:
-                seq.timings.first_token = now
+                seq.timings.first(now)
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
             try:

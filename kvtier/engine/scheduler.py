@@ -26,7 +26,7 @@ from kvtier.cache.kv_cache import KVCacheManager
 from kvtier.config import SchedulerConfig
 from kvtier.engine.admission import AdmissionPlan, plan_admission
 from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
-from kvtier.sequence import Sequence, SequenceStatus, SwapState
+from kvtier.sequence import Phase, Sequence, SequenceStatus, SwapState
 from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, swap_key
 
 if TYPE_CHECKING:  # the tier client imports this module's ScheduledSeq
@@ -114,6 +114,7 @@ class Scheduler:
                 seq, self.kv, self.namespaces[seq.request_id], self.tier, self.block_size
             )
             if plan is None:  # a deeper tier's answer is on its way: ask again next step
+                seq.timings.enter(Phase.TIER, time.perf_counter())
                 break
             if plan.match.fetch_keys:
                 self._start_fetch(seq, plan)
@@ -121,14 +122,20 @@ class Scheduler:
             layerwise = self.tier_config.load_mode == "layerwise"
             waits = bool(plan.load_keys) and not layerwise
             n = 0 if waits else min(seq.num_tokens - plan.start, budget)
+            now = time.perf_counter()
             if not self.kv.allocate_slots(seq.request_id, plan.start + n, plan.prefix,
                                           contiguous=bool(plan.load_keys)):
+                seq.timings.enter(Phase.QUEUE, now)  # waits for device blocks
                 break
             self.waiting.popleft()
             self._apply(seq, plan, layerwise)
             seq.status = SequenceStatus.RUNNING
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = time.perf_counter()
+            t = seq.timings
+            if t.first_scheduled is None:
+                t.first_scheduled = now
+            t.state_tokens = max(t.state_tokens, plan.start + plan.declined_tokens)
+            rebuilding = waits or t.state_tokens > seq.num_computed_tokens
+            t.enter(Phase.TIER if rebuilding else Phase.COMPUTE, now)
             self.running.append(seq)
             if n:
                 out.scheduled.append(self._scheduled(seq, n))
@@ -175,6 +182,7 @@ class Scheduler:
         if self.tier.fetch(seq.request_id, plan.match):
             self.waiting.popleft()
             self.fetching[seq.request_id] = seq
+            seq.timings.enter(Phase.TIER, time.perf_counter())
 
     def apply(self, events: Seq[Event]) -> set[str]:
         """The tier's finished loads and fetches; returns the request ids whose load failed
@@ -196,6 +204,7 @@ class Scheduler:
             self.tier.finished(done.request_id)
             return
         self.waiting.appendleft(seq)
+        seq.timings.enter(Phase.QUEUE, time.perf_counter())
 
     def _load_done(self, done: LoadDone) -> bool:
         """Apply a finished load; returns False if it failed (the tokens will be recomputed)."""
@@ -212,6 +221,11 @@ class Scheduler:
         seq.restore_s += done.seconds
         for i in range(d, d + len(plan.load_keys)):
             table.residency[i] = Residency.DEVICE if done.success else Residency.NONE
+        t = seq.timings
+        if not done.success:  # what the load was to bring back is computed again: tier time
+            t.state_tokens = max(t.state_tokens, plan.start)
+        rebuilding = t.state_tokens > (plan.start if done.success else plan.prefix.num_tokens)
+        t.enter(Phase.TIER if rebuilding else Phase.COMPUTE, time.perf_counter())
         if done.success:
             return True
         # A failed load is a miss, never a load: recompute from the end of the device prefix.
@@ -240,11 +254,14 @@ class Scheduler:
         than recomputing it. Returns whether it was swapped."""
         swapped = self._swap_out(seq)
         self.kv.free(seq.request_id)
+        t = seq.timings
         if swapped:
             self.stats.num_swaps += 1
         else:
             seq.num_recomputed_tokens += seq.num_computed_tokens
+            t.state_tokens = max(t.state_tokens, seq.num_computed_tokens)
             self.stats.num_recompute_preemptions += 1
+        t.enter(Phase.QUEUE, time.perf_counter())
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -48,6 +48,7 @@ class TierClient:
         self.pool = pool
         self.config: TierConfig = tier.manager.config
         self.demoted_blocks = 0  # idle blocks whose device copy was dropped
+        self._stalls: dict[str, float] = {}  # request id -> layerwise wait in the last step
 
     @classmethod
     def build(cls, config: EngineConfig, runner: ModelRunner, pool: BlockPool,
@@ -199,15 +200,24 @@ class TierClient:
 
     def layer_barrier(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
         """For layerwise loads in this step: block layer l's attention until l has arrived."""
-        jobs = [s.wait_ref for s in batch.scheduled if s.wait_ref is not None]
+        jobs = [(s.seq.request_id, s.wait_ref) for s in batch.scheduled
+                if s.wait_ref is not None]
         if not jobs:
             return None
 
         def barrier(layer: int) -> None:
-            for job in jobs:
+            for rid, job in jobs:
+                begin = time.perf_counter()
                 self.worker.wait_layer(job, layer)  # False (failed) is handled after the step
+                self._stalls[rid] = self._stalls.get(rid, 0.0) + time.perf_counter() - begin
 
         return barrier
+
+    def stalls(self) -> dict[str, float]:
+        """Seconds each request's layerwise load held the last step's compute back (the part
+        of its restore that did not overlap); cleared by the call."""
+        out, self._stalls = self._stalls, {}
+        return out
 
     def finish_layerwise(self, batch: SchedulerOutput) -> list[Event]:
         """Collect this step's layerwise loads (a failed one voids its sequence's step)."""
@@ -321,6 +331,9 @@ class NullTier:
 
     def finish_layerwise(self, batch: SchedulerOutput) -> list[Event]:
         return []
+
+    def stalls(self) -> dict[str, float]:
+        return {}
 
     def observe_prefill(self, batch: SchedulerOutput, seconds: float) -> None:
         pass

@@ -2,7 +2,8 @@
 
 Every response says where the request's KV lived (`x-kvtier-residency`: resident | host |
 recomputed | new) and `usage` carries OpenAI's `prompt_tokens_details.cached_tokens` plus
-`restored_tokens`, `recomputed_tokens` and `restore_ms`. Tenants are API keys; each tenant's
+`restored_tokens`, `recomputed_tokens`, `restore_ms`, and the engine's TTFT split
+(`ttft_ms` = `queue_ms` + `tier_ms` + `compute_ms`). Tenants are API keys; each tenant's
 blocks live in its own hash namespace, so one tenant can never hit, or time, another's.
 Bad input is a 4xx in OpenAI's error shape, never a traceback.
 """
@@ -360,4 +361,12 @@ def usage_of(out: RequestOutput) -> dict[str, Any]:
             "swapped_in_tokens": out.num_swapped_in_tokens,
             "recomputed_tokens": out.num_recomputed_tokens,
             "restore_ms": round(out.metrics.restore_s * 1e3, 3),
-            "residency": out.residency, "lossy": out.lossy}
+            "residency": out.residency, "lossy": out.lossy, **ttft_split_ms(out)}
+
+
+def ttft_split_ms(out: RequestOutput) -> dict[str, float | None]:
+    """The engine's TTFT and its queue / tier / compute parts, in ms (None: no first token)."""
+    m = out.metrics
+    return {f"{name}_ms": None if value is None else round(value * 1e3, 3)
+            for name, value in (("ttft", m.ttft_s), ("queue", m.queue_s), ("tier", m.tier_s),
+                                ("compute", m.compute_s))}
