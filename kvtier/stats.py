@@ -85,6 +85,7 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
                          if pool.stats.lookups else 0.0},
         "preemptions": {"total": sched.stats.num_preemptions, "swap": sched.stats.num_swaps,
                         "recompute": sched.stats.num_recompute_preemptions},
+        "busy_s": engine.busy_s,  # time in steps that ran a batch
     }
     tier = engine.tier
     if not tier.enabled:

@@ -28,8 +28,12 @@ def add_bench_args(sub: Any) -> None:
     p.add_argument("--format", default="auto", choices=("auto", "jsonl", "mooncake"))
     p.add_argument("--scale-length", type=float, default=1.0,
                    help="Mooncake: shrink lengths (and the 512-token hash block) by F")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="stretch (>1) or compress (<1) arrivals and think times")
+    p.add_argument("--time-scale", default="1.0", metavar="F|auto",
+                   help="stretch (>1) or compress (<1) arrivals and think times; auto: "
+                        "measure this machine on a sample of the trace, then stretch it so "
+                        "the replay runs at --target-utilisation")
+    p.add_argument("--target-utilisation", type=float, default=0.7,
+                   help="with --time-scale auto: the engine's busy fraction to aim for")
     p.add_argument("--limit", type=int, default=None, help="first N requests of a trace file")
     p.add_argument("--sessions", type=int, default=16, help="generator: number of sessions")
     p.add_argument("--turns", default="3,5", help="generator: turns per session, LO,HI")
@@ -88,15 +92,18 @@ def _pair(text: str, kind: type, flag: str) -> tuple[Any, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     from kvtier.bench import report
+    from kvtier.bench.html_report import write_html
+    from kvtier.bench.load import offered_load, rescale, saturation
     from kvtier.bench.run import run_config
     from kvtier.bench.trace import generate, load_trace
     from kvtier.model.loader import load_model
 
+    time_scale = _time_scale(args.time_scale)
     loaded = load_model(args.model)
     vocab = loaded.spec.vocab_size
     if args.trace:
         trace = load_trace(args.trace, vocab, fmt=args.format, scale_length=args.scale_length,
-                           time_scale=args.time_scale, limit=args.limit)
+                           limit=args.limit)
     else:
         trace = generate(num_sessions=args.sessions, turns=_pair(args.turns, int, "--turns"),
                          arrival_rate=args.arrival_rate,
@@ -110,37 +117,87 @@ def run_bench(args: argparse.Namespace) -> int:
         configs[name] = knobs
     if not configs:
         raise ConfigError("--only with no --config: nothing to run")
+    if args.url and args.config:
+        raise ConfigError("--config does not apply with --url: the server has its own")
     out_dir = Path(args.out or f"kvtier-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    def replay(t: Any, name: str, knobs: dict[str, Any]) -> Any:
+        if args.url:
+            from kvtier.bench.remote import run_remote
+
+            return run_remote(args.url, t, name, args.served_model, args.api_key)
+        return run_config(loaded, t, name, knobs)
+
+    auto = None
+    if time_scale is None:  # --time-scale auto
+        auto = _probe(trace, replay, {**base, **next(iter(configs.values()))},
+                      args.target_utilisation)
+        time_scale = auto["factor"]
+    if time_scale != 1.0:
+        trace = rescale(trace, time_scale)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.url:
-        from kvtier.bench.remote import run_remote
-
-        if args.config:
-            raise ConfigError("--config does not apply with --url: the server has its own")
-        runs = [run_remote(args.url, trace, args.name, args.served_model, args.api_key)]
+        runs = [replay(trace, args.name, {})]
     else:
         runs = _run_all(loaded, trace, base, configs, run_config)
-    summaries = {r.name: report.summarize_config(r.records, r.engine) for r in runs}
+    offered = offered_load(trace)
+    scale_length = args.scale_length if trace.meta.get("format") == "mooncake" else None
+    summaries = {r.name: report.summarize_config(
+        r.records, r.engine,
+        saturation(r.records, r.engine.get("busy_s"), r.wall_s, offered, time_scale),
+        r.rejected, scale_length) for r in runs}
     report.print_table(summaries)
-    for r in runs:
-        if r.rejected:
-            print(f"{r.name}: {len(r.rejected)} requests refused by the engine, their sessions "
-                  f"ended there; first: {r.rejected[0]}")
     meta = {"command": " ".join(["kvtier", *sys.argv[1:]]), "git_sha": git_sha(),
             "hardware": hardware(),
             "model": loaded.source, "trace": trace.source, "base_knobs": base,
             "configs": {r.name: {**base, **r.knobs} for r in runs},
-            "wall_s": {r.name: r.wall_s for r in runs}}
+            "wall_s": {r.name: r.wall_s for r in runs}, "time_scale": time_scale,
+            "time_scale_auto": auto, "offered_tokens_per_s": offered,
+            "refused": {r.name: r.rejected for r in runs}}
     records = [rec for r in runs for rec in r.records]
     report.write_json(out_dir / "results.json", {
         "meta": meta, "summaries": summaries, "records": records,
         "engine": {r.name: r.engine for r in runs},
         "link_timeline": {r.name: r.link_timeline for r in runs}})
-    report.write_html(out_dir / "report.html", summaries, records,
-                      {**meta, "link_timeline": {r.name: r.link_timeline for r in runs}})
+    write_html(out_dir / "report.html", summaries, records,
+               {**meta, "link_timeline": {r.name: r.link_timeline for r in runs}})
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'report.html'}")
     print(json.dumps({"wall_s": meta["wall_s"]}))
     return 0
+
+
+def _time_scale(text: str) -> float | None:
+    """--time-scale: a finite number >= 0, or "auto" (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise ConfigError(f"--time-scale {text!r}: expected a number >= 0 (1 = as recorded) "
+                          "or auto")
+    return value
+
+
+def _probe(trace: Any, replay: Any, knobs: dict[str, Any], target: float) -> dict[str, Any]:
+    """Measure this machine on a sample of the trace (sent all at once), then pick the time
+    scale at which the whole trace offers `target` of what it served."""
+    from kvtier.bench.load import auto_time_scale, check_auto, probe_sample
+
+    check_auto(trace, target)
+    sample = probe_sample(trace)
+    print(f"--time-scale auto: probing this machine with {len(sample.requests)} requests "
+          "of the trace, sent at once", flush=True)
+    run = replay(sample, "probe", knobs)
+    busy = run.engine.get("busy_s")
+    busy = run.wall_s if busy is None else busy  # a server: its wall time under the burst
+    auto = auto_time_scale(trace, busy, sample, target)
+    auto["busy_measured_as"] = "engine busy_s" if "busy_s" in run.engine else "probe wall_s"
+    print(f"--time-scale auto: {auto['probe_busy_s']:.1f} s busy for {len(sample.requests)} "
+          f"requests -> time scale {auto['factor']:.3g} for {target:.0%} utilisation",
+          flush=True)
+    return auto
 
 
 def _run_all(loaded: Any, trace: Any, base: dict[str, Any], configs: dict[str, dict[str, Any]],

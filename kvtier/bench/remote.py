@@ -66,7 +66,8 @@ async def _session(client: Any, sid: str, reqs: list[Any], model: str, t0: float
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         sent = time.perf_counter() - t0
-        record = await _one(client, body, sid, turn, sent, t0, run, len(history))
+        record = await _one(client, body, sid, turn, sent, t0, run, len(history),
+                            len(req.new_tokens))
         if record is None:
             return  # the session ends where the server refused it
         history = prompt + record.pop("_token_ids")
@@ -76,7 +77,7 @@ async def _session(client: Any, sid: str, reqs: list[Any], model: str, t0: float
 
 
 async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: float,
-               t0: float, run: ConfigRun, prior: int) -> dict[str, Any] | None:
+               t0: float, run: ConfigRun, prior: int, new: int) -> dict[str, Any] | None:
     first: float | None = None
     last = sent
     ids: list[int] | None = None
@@ -84,8 +85,10 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                run.rejected.append(f"{sid}/{turn}: HTTP {r.status_code} "
-                                    f"{(await r.aread()).decode()[:200]}")
+                run.rejected.append({"request": f"{sid}/{turn}",
+                                     "reason": f"HTTP {r.status_code} "
+                                               f"{(await r.aread()).decode()[:200]}",
+                                     "prompt_tokens": len(body["prompt"])})
                 return None
             residency = r.headers.get("x-kvtier-residency")
             async for line in r.aiter_lines():
@@ -99,7 +102,8 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
                     last = time.perf_counter() - t0
                     ids = choice.get("token_ids") or ids
     except Exception as e:  # a dropped connection ends the session, not the run
-        run.rejected.append(f"{sid}/{turn}: {type(e).__name__}: {e}")
+        run.rejected.append({"request": f"{sid}/{turn}", "reason": f"{type(e).__name__}: {e}",
+                             "prompt_tokens": len(body["prompt"])})
         return None
     n = int(usage.get("completion_tokens", body["max_tokens"]))
     details = usage.get("prompt_tokens_details") or {}
@@ -110,7 +114,8 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
     split = _split(usage, first - sent)
     return {
         "config": run.name, "session_id": sid, "turn": turn,
-        "context_tokens": len(body["prompt"]), "output_tokens": n, "ttft_s": first - sent,
+        "context_tokens": len(body["prompt"]), "new_tokens": new, "output_tokens": n,
+        "ttft_s": first - sent,
         "itl_s": (last - first) / (n - 1) if n > 1 else None, "residency": residency,
         "restored_tokens": usage.get("restored_tokens", 0),
         "recomputed_tokens": usage.get("recomputed_tokens", 0),

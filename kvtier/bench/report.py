@@ -1,19 +1,17 @@
-"""Per-request benchmark records -> summaries, a side-by-side table, JSON and a one-file HTML.
+"""Per-request benchmark records -> summaries, a side-by-side table and JSON.
 
-`summarize_config(records, engine)` computes every latency figure from the raw records,
-TTFT always split by residency class (a host tier makes it bimodal), and raises flags when
-the run cannot show what offload costs. `render_table`/`print_table` put configurations
-side by side; `write_json` and `write_html` write atomically, the HTML with its plots
-embedded so it opens anywhere with no network.
+`summarize_config(records, engine, load, refused)` computes every latency figure from the
+raw records, TTFT always split by residency class (a host tier makes it bimodal) and, within
+each class, into queue / tier / compute as the engine measured them; it raises flags when
+the run cannot show what offload costs: no idle gaps, a bimodal TTFT (naming the part that
+makes the difference), a saturated machine, refused requests. `render_table`/`print_table`
+put configurations side by side; `write_json` writes atomically (`html_report` the HTML).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
-import html
-import io
 import json
 import os
 import tempfile
@@ -22,7 +20,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kvtier.sequence import RESIDENCY_CLASSES
+from kvtier.bench.load import saturation_message
+from kvtier.bench.split import explain_gap, split_summary
+from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 from kvtier.stats import summarize
 
 COLD_CLASSES = ("host", "recomputed")
@@ -32,21 +32,27 @@ CLASS_COLORS = MappingProxyType({"resident": "tab:green", "host": "tab:orange",
                                  "recomputed": "tab:red", "new": "tab:blue"})
 CONFIG_STYLES = ("-", "--", ":", "-.")
 CONFIG_MARKERS = ("o", "^", "s", "D", "v", "x")
-TABLE_CAPTION = "TTFT cells: p50 / p90 / p99 ms (n requests)"
+TABLE_CAPTION = ("TTFT cells: p50 / p90 / p99 ms (n requests); split cells: queue / tier / "
+                 "compute ms, p50 then p90")
+REFUSED_LISTED = 10
 OPTIONAL_CLASSES = ("disk", "remote")
 
 
-def _classes(records: Sequence[dict[str, Any]]) -> list[str]:
+def classes_of(records: Sequence[dict[str, Any]]) -> list[str]:
     """The known residency classes, then any other value the records carry."""
     extra = sorted({r["residency"] for r in records} - set(RESIDENCY_CLASSES))
     return [*RESIDENCY_CLASSES, *extra]
 
 
-def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any]) -> dict[str, Any]:
-    """One configuration's report: latencies from `records`, tier counters from `engine`."""
+def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any],
+                     load: dict[str, Any] | None = None,
+                     refused: Sequence[dict[str, Any]] = (),
+                     scale_length: float | None = None) -> dict[str, Any]:
+    """One configuration's report: latencies from `records`, tier counters from `engine`,
+    `load` from `load.saturation`, `refused` the requests the server turned away."""
     n = len(records)
     ttft = {"all": summarize([r["ttft_s"] for r in records if r["ttft_s"] is not None])}
-    for cls in _classes(records):
+    for cls in classes_of(records):
         ttft[cls] = summarize([r["ttft_s"] for r in records
                                if r["residency"] == cls and r["ttft_s"] is not None])
     itl = summarize([r["itl_s"] for r in records if r["itl_s"] is not None])
@@ -62,7 +68,7 @@ def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any]) 
         "ttft_s": ttft,
         "itl_s": {"count": itl["count"], "p50": itl["p50"], "p99": itl["p99"]},
         "residency_counts": {cls: sum(r["residency"] == cls for r in records)
-                             for cls in _classes(records)},
+                             for cls in classes_of(records)},
         "context_tokens": sum(r["context_tokens"] for r in records),
         "output_tokens": output_tokens,
         "restored_tokens": sum(r["restored_tokens"] for r in records),
@@ -75,9 +81,27 @@ def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any]) 
         "duration_s": duration,
         "output_tokens_per_s": output_tokens / duration if duration > 0 else None,
         **_engine_part(engine),
+        "split_s": split_summary(records, classes_of(records)),
+        "saturation": load,
+        "refused": refused_summary(refused, engine.get("max_model_len"), scale_length),
     }
-    summary["flags"] = _flags(records, ttft)
+    summary["flags"] = _flags(records, ttft, summary)
     return summary
+
+
+def refused_summary(refused: Sequence[dict[str, Any]], max_model_len: int | None,
+                    scale_length: float | None) -> dict[str, Any]:
+    """How many requests were turned away, the first few, and how to make the trace fit."""
+    hint = None
+    longest = max((r["prompt_tokens"] or 0 for r in refused), default=0)
+    if max_model_len and longest >= max_model_len:
+        hint = (f"the longest refused prompt has {longest} tokens and max_model_len is "
+                f"{max_model_len}: raise --max-model-len (and --num-device-blocks, which caps "
+                "it)")
+        if scale_length is not None:
+            fit = scale_length * 0.9 * max_model_len / longest
+            hint += f", or shrink the trace with --scale-length {fit:.3g}"
+    return {"count": len(refused), "requests": list(refused[:REFUSED_LISTED]), "hint": hint}
 
 
 def _engine_part(engine: dict[str, Any]) -> dict[str, Any]:
@@ -102,8 +126,8 @@ def _engine_part(engine: dict[str, Any]) -> dict[str, Any]:
     return part
 
 
-def _flags(records: Sequence[dict[str, Any]], ttft: dict[str, dict[str, Any]]
-           ) -> list[dict[str, str]]:
+def _flags(records: Sequence[dict[str, Any]], ttft: dict[str, dict[str, Any]],
+           summary: dict[str, Any]) -> list[dict[str, str]]:
     """Warnings that change how the numbers must be read."""
     flags = []
     cold = any(r["residency"] in COLD_CLASSES or r["restored_tokens"] or r["recomputed_tokens"]
@@ -118,10 +142,23 @@ def _flags(records: Sequence[dict[str, Any]], ttft: dict[str, dict[str, Any]]
     if pairs:
         (slow, p_slow), (fast, p_fast) = max(
             pairs, key=lambda p: p[0][1] / p[1][1] if p[1][1] > 0 else float("inf"))
+        load = summary["saturation"] or {}
+        why = explain_gap(summary["split_s"], slow, fast, bool(load.get("saturated")))
         flags.append({"name": "bimodal",
                       "message": f"TTFT is bimodal: {slow} p50 {p_slow * 1e3:.1f} ms vs "
-                                 f"{fast} p50 {p_fast * 1e3:.1f} ms; the overall p50 "
-                                 "averages two populations"})
+                                 f"{fast} p50 {p_fast * 1e3:.1f} ms; "
+                                 + (f"{why}" if why else "the overall p50 averages two "
+                                    "populations")})
+    load = summary["saturation"]
+    if load and load["saturated"]:
+        flags.append({"name": "saturated", "message": saturation_message(load)})
+    refused = summary["refused"]
+    if refused["count"]:
+        first = refused["requests"][0]
+        text = (f"{refused['count']} requests refused, their sessions ended there; first: "
+                f"{first['request']}: {first['reason']}")
+        flags.append({"name": "refused",
+                      "message": text + (f"; {refused['hint']}" if refused["hint"] else "")})
     return flags
 
 
@@ -137,6 +174,25 @@ def _ttft_cell(s: dict[str, Any]) -> str:
     if not s or not s["count"]:
         return "- (n=0)"
     return f"{_ms(s['p50'])} / {_ms(s['p90'])} / {_ms(s['p99'])} (n={s['count']})"
+
+
+def _split_cell(entry: dict[str, Any] | None) -> str:
+    if not entry or not entry["count"]:
+        return "-"
+    return " · ".join(" / ".join(_ms(entry[p][q]) for p in SPLIT_PARTS) for q in ("p50", "p90"))
+
+
+def _load_cell(load: dict[str, Any] | None) -> str:
+    if not load:
+        return "-"
+    return f"{_pct(load['utilisation'])} / {_pct(load['queue_share'])}"
+
+
+def _tps_cell(load: dict[str, Any] | None) -> str:
+    if not load:
+        return "-"
+    return " / ".join("-" if v is None else f"{v:.0f}"
+                      for v in (load["offered_tokens_per_s"], load["achieved_tokens_per_s"]))
 
 
 def _planner_cell(error: dict[str, Any] | None) -> str:
@@ -164,6 +220,11 @@ def table_rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, list[str
         row("TTFT all", lambda s: _ttft_cell(s["ttft_s"]["all"])),
         *(row(f"TTFT {c}", lambda s, c=c: _ttft_cell(s["ttft_s"].get(c, {})))
           for c in classes),
+        *(row(f"split {c}", lambda s, c=c: _split_cell(s.get("split_s", {}).get(c)))
+          for c in ["all", *classes]),
+        row("busy / queue share of TTFT", lambda s: _load_cell(s.get("saturation"))),
+        row("offered / achieved tok/s", lambda s: _tps_cell(s.get("saturation"))),
+        row("refused requests", lambda s: str(s.get("refused", {}).get("count", 0))),
         row("ITL p50 / p99 ms", lambda s: f"{_ms(s['itl_s']['p50'])} / {_ms(s['itl_s']['p99'])}"),
         row("sessions / requests", lambda s: f"{s['sessions']} / {s['requests']}"),
         row("output tok/s", lambda s: "-" if s["output_tokens_per_s"] is None
@@ -207,7 +268,7 @@ def print_table(summaries: dict[str, dict[str, Any]], console: Any = None) -> No
             console.print(f"[yellow]{escape(name)}: {escape(flag['message'])}[/yellow]")
 
 
-def _atomic_write(path: str | Path, text: str) -> None:
+def atomic_write(path: str | Path, text: str) -> None:
     """Write to a temporary file beside `path`, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +284,7 @@ def _atomic_write(path: str | Path, text: str) -> None:
         raise
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, (set, frozenset, tuple)):
@@ -235,132 +296,4 @@ def _jsonable(value: Any) -> Any:
 
 def write_json(path: str | Path, payload: Any) -> None:
     """Atomic JSON file (indent 2); paths, dataclasses and numpy scalars become JSON values."""
-    _atomic_write(path, json.dumps(payload, indent=2, default=_jsonable) + "\n")
-
-
-def _png(fig: Any) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _figure() -> tuple[Any, Any]:
-    """A figure on the Agg canvas (no pyplot, no global backend switch) and its axes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 4.5))
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
-
-
-def _plot_cdf(records: Sequence[dict[str, Any]], configs: list[str]) -> str:
-    fig, ax = _figure()
-    positive = True
-    for i, cfg in enumerate(configs):
-        for cls in _classes(records):
-            xs = sorted(r["ttft_s"] * 1e3 for r in records if r["config"] == cfg
-                        and r["residency"] == cls and r["ttft_s"] is not None)
-            if not xs:
-                continue
-            positive = positive and xs[0] > 0
-            ys = [0.0, *((k + 1) / len(xs) for k in range(len(xs)))]
-            ax.step([xs[0], *xs], ys, where="post", color=CLASS_COLORS.get(cls, "tab:gray"),
-                    linestyle=CONFIG_STYLES[i % len(CONFIG_STYLES)],
-                    label=f"{cfg} / {cls} (n={len(xs)})")
-    if positive and ax.lines:
-        ax.set_xscale("log")
-    ax.set_ylim(0, 1.02)
-    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests",
-           title="TTFT CDF by residency class (colour) and configuration (line style)")
-    if ax.lines:
-        ax.legend(fontsize="small")
-    return _png(fig)
-
-
-def _plot_context(records: Sequence[dict[str, Any]], configs: list[str]) -> str:
-    fig, ax = _figure()
-    for i, cfg in enumerate(configs):
-        for cls in _classes(records):
-            pts = [(r["context_tokens"], r["ttft_s"] * 1e3) for r in records
-                   if r["config"] == cfg and r["residency"] == cls and r["ttft_s"] is not None]
-            if pts:
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18, alpha=0.7,
-                           color=CLASS_COLORS.get(cls, "tab:gray"),
-                           marker=CONFIG_MARKERS[i % len(CONFIG_MARKERS)],
-                           label=f"{cfg} / {cls}")
-    ax.set(xlabel="session context (prompt tokens)", ylabel="TTFT (ms)",
-           title="TTFT against context length, coloured by residency")
-    if ax.collections:
-        ax.legend(fontsize="small")
-    return _png(fig)
-
-
-def _plot_link(timelines: dict[str, list[dict[str, float]]]) -> str:
-    fig, ax = _figure()
-    for i, (cfg, samples) in enumerate(timelines.items()):
-        if not samples:
-            continue
-        t = [s["t"] for s in samples]
-        ax.plot(t, [s["store_util"] for s in samples], color=f"C{i % 10}", linestyle="-",
-                label=f"{cfg} store (device->host)")
-        ax.plot(t, [s["load_util"] for s in samples], color=f"C{i % 10}", linestyle="--",
-                label=f"{cfg} load (host->device)")
-    if ax.lines:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no link samples (no host tier)", ha="center", transform=ax.transAxes)
-    ax.set_ylim(bottom=0)
-    ax.set(xlabel="time since run start (s)", ylabel="busy fraction",
-           title="Host link utilisation over time")
-    return _png(fig)
-
-
-def _html_table(summaries: dict[str, dict[str, Any]]) -> str:
-    head = "".join(f"<th>{html.escape(n)}</th>" for n in summaries)
-    body = "".join(f"<tr><th>{html.escape(label)}</th>"
-                   + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
-                   for label, cells in table_rows(summaries))
-    return (f"<table><caption>{TABLE_CAPTION}</caption><tr><th>metric</th>{head}</tr>"
-            f"{body}</table>")
-
-
-def _html_meta(meta: dict[str, Any]) -> str:
-    rows = []
-    for key, value in meta.items():
-        text = value if isinstance(value, str) else json.dumps(value, indent=1,
-                                                              default=_jsonable)
-        rows.append(f"<tr><th>{html.escape(str(key))}</th><td><pre>{html.escape(text)}"
-                    "</pre></td></tr>")
-    return f"<table>{''.join(rows)}</table>"
-
-
-def write_html(path: str | Path, summaries: dict[str, dict[str, Any]],
-               records: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """One self-contained HTML report: plots as inline PNG, the table, flags and the meta.
-
-    Link timelines come from `meta["link_timeline"]` ({config: samples}) or, failing that,
-    from each summary's `link_timeline`.
-    """
-    configs = list(dict.fromkeys([*summaries, *(r["config"] for r in records)]))
-    timelines = dict(meta.get("link_timeline") or {
-        name: s["link_timeline"] for name, s in summaries.items() if s.get("link_timeline")})
-    plots = [("TTFT CDF by residency", _plot_cdf(records, configs)),
-             ("TTFT against context length", _plot_context(records, configs)),
-             ("Host link utilisation", _plot_link(timelines))]
-    figures = "".join(f'<h2>{html.escape(title)}</h2><img src="data:image/png;base64,{data}" '
-                      f'alt="{html.escape(title)}">' for title, data in plots)
-    flags = "".join(f"<li><b>{html.escape(name)}</b>: {html.escape(f['message'])}</li>"
-                    for name, s in summaries.items() for f in s["flags"])
-    shown_meta = {k: v for k, v in meta.items() if k != "link_timeline"}
-    doc = (
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>kvtier bench</title>"
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-        "th{text-align:left}pre{margin:0;text-align:left}img{max-width:100%}</style>"
-        "</head><body><h1>kvtier bench</h1>"
-        f"<h2>Summary</h2>{_html_table(summaries)}"
-        f"<h2>Flags</h2><ul>{flags or '<li>none</li>'}</ul>"
-        f"{figures}<h2>Run</h2>{_html_meta(shown_meta)}</body></html>\n"
-    )
-    _atomic_write(path, doc)
+    atomic_write(path, json.dumps(payload, indent=2, default=jsonable) + "\n")

@@ -34,7 +34,8 @@ class ConfigRun:
     engine: dict[str, Any] = field(default_factory=dict)
     link_timeline: list[dict[str, float]] = field(default_factory=list)
     wall_s: float = 0.0
-    rejected: list[str] = field(default_factory=list)  # requests the engine refused, and why
+    # requests the server refused: {"request": "sid/turn", "reason": ..., "prompt_tokens": n}
+    rejected: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _LinkSampler:
@@ -85,10 +86,11 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
                 try:
                     rid = engine.add_request(prompt, params, request_id=f"{sid}/{turn}")
                 except RequestError as e:  # e.g. the conversation outgrew the context
-                    run.rejected.append(f"{sid}/{turn}: {e}")
+                    run.rejected.append({"request": f"{sid}/{turn}", "reason": str(e),
+                                         "prompt_tokens": len(prompt)})
                     continue  # the session ends here, as a client would give up
 
-                in_flight[rid] = (sid, turn, now, len(prompt))
+                in_flight[rid] = (sid, turn, now, len(req.new_tokens))
                 history[sid] = prompt
             if not in_flight:
                 engine.step()  # idle: let demotion and transfers progress
@@ -101,9 +103,9 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
             sampler.sample(t, run.link_timeline)
             log.add(outputs)
             for out in outputs:
-                sid, turn, sent, context = in_flight.pop(out.request_id)
+                sid, turn, sent, new = in_flight.pop(out.request_id)
                 history[sid] = history[sid] + out.token_ids
-                run.records.append(_record(name, sid, turn, sent, t, context, out))
+                run.records.append(_record(name, sid, turn, sent, t, new, out))
                 if turn + 1 < len(sessions[sid]):
                     heapq.heappush(due, (t + sessions[sid][turn + 1].arrival_s, sid, turn + 1))
                 if on_request is not None:
@@ -112,6 +114,7 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
         run.engine = engine_stats(engine, log)
         run.engine["host_peak_slots"] = sampler.host_peak
         run.engine["rejected_requests"] = len(run.rejected)
+        run.engine["max_model_len"] = engine.max_model_len
     finally:
         engine.close()
     return run
@@ -123,13 +126,14 @@ def session_residency(residency: str, turn: int) -> str:
     return "recomputed" if residency == "new" and turn > 0 else residency
 
 
-def _record(config: str, sid: str, turn: int, sent: float, finished: float, context: int,
+def _record(config: str, sid: str, turn: int, sent: float, finished: float, new: int,
             out: Any) -> dict[str, Any]:
     n = len(out.token_ids)
     decode = out.metrics.decode_s
     residency = session_residency(out.residency, turn)
     return {
-        "config": config, "session_id": sid, "turn": turn, "context_tokens": context,
+        "config": config, "session_id": sid, "turn": turn,
+        "context_tokens": len(out.prompt_token_ids), "new_tokens": new,
         "output_tokens": n, "ttft_s": out.metrics.ttft_s,
         "itl_s": decode / (n - 1) if decode is not None and n > 1 else None,
         "residency": residency, "restored_tokens": out.num_restored_tokens,

@@ -85,6 +85,7 @@ class LLMEngine:
         self._streaming: set[str] = set()
         self.stream_deltas: list[StreamDelta] = []
         self.faults = Faults.from_env()  # off unless a test sets KVTIER_FAULT_*
+        self.busy_s = 0.0  # wall time of steps that ran a batch: the engine's utilisation
 
     def namespace(self, salt: str = "") -> BlockKey:
         """The chain seed of `salt` (tenant and cache_salt), from a bounded LRU: one entry per
@@ -177,6 +178,7 @@ class LLMEngine:
         tier.observe_prefill(batch, time.perf_counter() - start)
         outputs = self._postprocess(batch, sampled, void, start)
         tier.submit()  # write-through of what just finished
+        self.busy_s += time.perf_counter() - start
         return outputs
 
     def _mark_held_back(self, batch: SchedulerOutput, now: float) -> None:

@@ -2,7 +2,8 @@
 
 `models` (shapes, KV bytes per token), `hardware` (presets, this-machine), `analysis`
 (per context: restore vs recompute through `kvtier.tier.planner.Planner`, sessions per node,
-pinned memory), `simulate` (a discrete-event replay of a multi-turn trace), `cli`.
+pinned memory), `simulate` (a discrete-event replay of a multi-turn trace, each TTFT split
+into queue / tier / compute; its records and tables in `simrecords`), `cli`.
 """
 
 from kvtier.plan.analysis import ContextPlan, PlanResult, analyze

@@ -1,7 +1,9 @@
 """`kvtier plan`: restore vs recompute, sessions per node and pinned memory for real hardware.
 
 Primitives: `add_plan_args(subparsers)` registers the subcommand, `run_plan(args) -> int`
-prints a table (or `--json`), and with `--trace` the simulated TTFT per residency class.
+prints a table (or `--json`), and with `--trace` the simulated TTFT per residency class and
+its queue / tier / compute split. The trace flags are `kvtier bench`'s, passed to the same
+loader the same way, so plan and bench can replay one trace.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
     from kvtier.plan.simulate import SimResult
 
 DEFAULT_CONTEXTS = "1024,8192,32768,131072"
+TRACE_FORMATS = ("auto", "jsonl", "mooncake")  # kvtier.bench.trace.FORMATS
+# trace flag -> its default: set without --trace, it would do nothing
+_TRACE_DEFAULTS = {"--format": "auto", "--scale-length": 1.0, "--time-scale": 1.0,
+                   "--limit": None, "--device-sessions": None, "--idle-offload-s": 0.0}
 # flag dest -> Hardware field it overrides
 _OVERRIDES = {"hbm_gib": "hbm_gib", "host_gib": "host_gib", "link_gbps": "link_gbps",
               "prefill_tps": "prefill_tps", "flops": "flops", "mfu": "mfu",
@@ -61,12 +67,27 @@ def add_plan_args(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-offloading-size", type=float, default=None,
                    help=f"host pool GiB per replica (default: "
                         f"{HOST_USABLE_FRACTION * 100:.0f}%% of RAM split across replicas)")
-    p.add_argument("--trace", default=None, help="simulate this trace (kvtier JSONL/Mooncake)")
-    p.add_argument("--device-sessions", type=int, default=None,
-                   help="simulation: device pool holds N sessions (default: HBM bytes)")
+    _add_trace_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_plan)
     return p
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The simulation's flags; the loader's ones mean what they mean to `kvtier bench`."""
+    sim = p.add_argument_group("simulate a trace")
+    sim.add_argument("--trace", default=None, help="kvtier JSONL or Mooncake trace")
+    sim.add_argument("--format", default="auto", choices=TRACE_FORMATS)
+    sim.add_argument("--scale-length", type=float, default=1.0,
+                     help="Mooncake: shrink lengths (and the 512-token hash block) by F")
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="stretch (>1) or compress (<1) arrivals and think times")
+    sim.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    sim.add_argument("--device-sessions", type=int, default=None,
+                     help="device pool holds N sessions (default: HBM bytes)")
+    sim.add_argument("--idle-offload-s", type=float, default=0.0,
+                     help="demote sessions idle this long to host, as the engine knob "
+                          "(default 0: only under pressure)")
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -88,6 +109,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     kv_dtype = opt("kv_dtype", "fp16")
     kv_dtype_bytes(kv_dtype)
+    _check_trace_flags(args)
     contexts = parse_contexts(opt("context", DEFAULT_CONTEXTS))
     model = resolve_model(opt("model", "llama-3.1-8b"))
     hardware = resolve_hardware(opt("hardware", "h100-sxm"),
@@ -98,8 +120,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if opt("trace"):
         from kvtier.plan.simulate import simulate
 
-        requests = _load_trace(opt("trace"), model)
-        sim = simulate(requests, model, hardware, kv_dtype, opt("device_sessions"))
+        requests = _load_trace(args, model)
+        sim = simulate(requests, model, hardware, kv_dtype, opt("device_sessions"),
+                       idle_offload_s=opt("idle_offload_s", 0.0))
     if opt("json"):
         report = result.to_json()
         if sim is not None:
@@ -112,17 +135,35 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_trace(path: str, model: ModelShape) -> list[Any]:
+def _check_trace_flags(args: argparse.Namespace) -> None:
+    """A trace flag without --trace would be silently ignored: say so instead."""
+    if getattr(args, "trace", None):
+        return
+    for flag, default in _TRACE_DEFAULTS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), default)
+        if value != default:
+            raise ConfigError(f"{flag} {value} applies to a simulated trace; add --trace FILE "
+                              f"or drop {flag}")
+
+
+def _load_trace(args: argparse.Namespace, model: ModelShape) -> list[Any]:
+    """`kvtier bench`'s loader call with bench's flags; its TraceError names a bad value."""
+    path = args.trace
     try:
         from kvtier.bench.trace import load_trace
     except ImportError as e:
         raise ConfigError(f"--trace {path!r} needs kvtier.bench.trace, which this install "
                           "lacks; update kvtier or drop --trace") from e
-    trace = load_trace(path, model.vocab_size)
+    trace = load_trace(path, model.vocab_size, getattr(args, "format", "auto"),
+                       scale_length=getattr(args, "scale_length", 1.0),
+                       time_scale=getattr(args, "time_scale", 1.0),
+                       limit=getattr(args, "limit", None))
     return list(getattr(trace, "requests", trace))  # a Trace holds them in .requests
 
 
-def _seconds(s: float) -> str:
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
@@ -196,8 +237,28 @@ def _print_sim(sim: SimResult, path: str, plan: PlanResult) -> None:
             table.add_row(cls, str(s["count"]), _seconds(s["p50"]), _seconds(s["p99"]))
     console = _console()
     console.print(table)
+    console.print(_split_table(sim))
     console.print(
         f"  one replica ({plan.tensor_parallel} GPU(s), 1 of {plan.replicas} per node) serves "
         f"the whole trace; last token at {_seconds(sim.makespan_s)}")
-    console.print(f"  link: {sim.restores} restores, {sim.stores} stores, busy "
-                  f"{_seconds(sim.link_busy_s)}")
+    console.print(f"  compute: busy {_seconds(sim.compute_busy_s)}, "
+                  f"{sim.compute_utilisation:.0%} of the makespan")
+    console.print(f"  link: {sim.restores} restores, {sim.stores} stores"
+                  f" ({sim.idle_demotions} idle demotions), busy {_seconds(sim.link_busy_s)}")
+
+
+def _split_table(sim: SimResult) -> Any:
+    """Where each class's TTFT goes (queue / tier / compute), as `kvtier bench` splits it."""
+    from rich.table import Table
+
+    table = Table(title="simulated TTFT split (p50 / p90)")
+    for col in ("class", "requests", "queue", "tier", "compute", "TTFT p50"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for cls, s in sim.ttft.items():
+        if not s["count"]:
+            continue
+        parts = sim.split[cls]
+        cells = [f"{_seconds(parts[k]['p50'])} / {_seconds(parts[k]['p90'])}"
+                 for k in ("queue", "tier", "compute")]
+        table.add_row(cls, str(s["count"]), *cells, _seconds(s["p50"]))
+    return table

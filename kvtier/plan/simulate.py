@@ -14,15 +14,24 @@ of prefills). Per turn of a session, at its arrival:
 
 Making room evicts the least recently used idle sessions to the host tier (a store on the
 link, queued before the restore that needed the room). A turn that finds only busy sessions
-to evict still runs: the pool overcommits rather than deadlocks. Prefill takes the planner's
-`prefill_s` (linear + causal attention over the cached prefix), at least one memory-bound
-forward (weights / HBM bandwidth). Decode is memory bound: each output token costs
-(weights + the session's KV bytes) / HBM bandwidth, and runs beside prefills (continuous
-batching), so it delays the session's next turn, not the server. On hardware with
-`shared_compute` (a CPU) the server instead runs engine steps: each step takes every queued
-prefill plus one row per decoding session and costs a fixed part (the measured cost of a
-step, at least one weight stream) + their prefill time + rows x the measured cost of a row,
-so a short prefill waits for the running step and shares it.
+to evict still runs: the pool overcommits rather than deadlocks. With `idle_offload_s` a
+session idle that long moves to the host tier (a store) even without pressure, as the
+engine's knob does. Prefill takes the planner's `prefill_s` (linear + causal attention over
+the cached prefix), at least one memory-bound forward (weights / HBM bandwidth). Decode is
+memory bound: each output token costs (weights + the session's KV bytes) / HBM bandwidth,
+and runs beside prefills (continuous batching), so it delays the session's next turn, not
+the server. On hardware with `shared_compute` (a CPU) the server instead runs engine
+steps: each step takes every queued prefill plus one row per decoding session and costs a
+fixed part (the measured cost of a step, at least one weight stream) + their prefill time +
+rows x the measured cost of a row, so a short prefill waits for the running step and shares
+it.
+
+Each TTFT splits as `kvtier bench` measures it: queue (arrival -> admitted, plus the wait
+for the compute server or the running step once the turn is ready), tier (admitted -> prior
+state ready: link wait + transfer + wake overhead of a restore) and compute (the prefill,
+or the step shared with others, up to the first token). A recomputed turn's tier part is
+the prefill of its prior context alone, `prefill_s(context, 0)`: the cost model is additive,
+so what is left is what its new tokens cost on that prefix.
 Deterministic: no clocks, no randomness; ties break by the order events were made.
 """
 
@@ -31,8 +40,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.plan.analysis import (
@@ -43,50 +51,9 @@ from kvtier.plan.analysis import (
 )
 from kvtier.plan.hardware import GIB, Hardware
 from kvtier.plan.models import ModelShape
-from kvtier.sequence import RESIDENCY_CLASSES
-from kvtier.stats import percentile
+from kvtier.plan.simrecords import SimRecord, SimResult, TurnRequest, summarize
 
-
-class TurnRequest(Protocol):
-    """One turn of a session, as `kvtier.bench.trace.TraceRequest` has it."""
-
-    @property
-    def session_id(self) -> Hashable: ...
-    @property
-    def turn(self) -> int: ...
-    @property
-    def arrival_s(self) -> float: ...  # turn 0: absolute; later: think time after the last
-    @property
-    def new_tokens(self) -> Sequence[int]: ...
-    @property
-    def output_tokens(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class SimRecord:
-    session_id: Hashable
-    turn: int
-    residency: str
-    arrival_s: float
-    ttft_s: float
-    context: int  # tokens of prior state the turn found (0 for a new session)
-    link_wait_s: float  # time queued behind other transfers before its restore started
-    finish_s: float  # last output token
-
-
-@dataclass(frozen=True)
-class SimResult:
-    records: tuple[SimRecord, ...]
-    ttft: dict[str, dict[str, float | int | None]]  # class -> count, p50, p99
-    link_busy_s: float
-    stores: int
-    restores: int
-    makespan_s: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ttft_s": self.ttft, "link_busy_s": self.link_busy_s, "stores": self.stores,
-                "restores": self.restores, "makespan_s": self.makespan_s,
-                "requests": [asdict(r) for r in self.records]}
+__all__ = ["SimRecord", "SimResult", "TurnRequest", "simulate"]
 
 
 class _Lru:
@@ -134,26 +101,31 @@ class _Session:
     context: int = 0  # tokens of KV the session holds between turns
     next_turn: int = 0  # index into `turns` of the turn to arrive next
     where: str | None = None  # "device", "host" or None
+    last_finish: float = -1.0  # when its last turn ended: an idle demotion's ticket
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Admitted:
-    """A turn between its arrival and its first token."""
+    """A turn between its arrival and its first token, with the instants its split needs."""
 
     req: TurnRequest
     arrival_s: float
     residency: str
     context: int
-    link_wait_s: float
     total_tokens: int  # the session's context once this turn's output is done
     prefill_s: float = 0.0  # the prefill's own compute, before the one-forward floor
+    recompute_share_s: float = 0.0  # of that, rebuilding the prior context (tier time)
+    admitted_s: float = 0.0  # its restore could start (a running step deferred it)
+    link_wait_s: float = 0.0
+    ready_s: float = 0.0  # its prior state is in place: it may be computed
+    start_s: float = 0.0  # its prefill started (on the server, or the step took it)
 
 
 class _Sim:
     """The event loop's state; one instance per `simulate` call."""
 
     def __init__(self, model: ModelShape, hardware: Hardware, kv_dtype: str,
-                 device_sessions: int | None, mode: str) -> None:
+                 device_sessions: int | None, mode: str, idle_offload_s: float) -> None:
         tp = pick_tensor_parallel(model, hardware)
         self.planner = planner_for(model, hardware, tp)
         self.per_token = model.kv_bytes_per_token(kv_dtype)
@@ -165,10 +137,11 @@ class _Sim:
         self.device = _Lru(usable_hbm_bytes(hardware, tp) - self.weights, device_sessions)
         self.host = _Lru(hardware.host_gib * GIB * HOST_USABLE_FRACTION / replicas)
         self.mode = mode
+        self.idle_offload_s = idle_offload_s
         self.events: list[tuple[float, int, str, Hashable, float]] = []
         self.seq = 0
-        self.link_free = self.server_free = self.link_busy = 0.0
-        self.stores = self.restores = 0
+        self.link_free = self.server_free = self.link_busy = self.compute_busy = 0.0
+        self.stores = self.restores = self.idle_demotions = 0
         self.busy: set[Hashable] = set()
         self.sessions: dict[Hashable, _Session] = {}
         self.pending: dict[Hashable, _Admitted] = {}
@@ -205,20 +178,35 @@ class _Sim:
             return self.planner.prefill_s(tokens, 0) + cached * self.context_token_s
         return self.planner.prefill_s(tokens, cached)
 
+    def to_host(self, t: float, sid: Hashable, size: int) -> None:
+        """Store a session leaving the device, dropping idle host sessions to fit it."""
+        for dropped in self.host.victims(size, self.busy):
+            self.host.pop(dropped)
+            self.sessions[dropped].where = None
+        if self.host.fits(size):
+            self.link(t, size)
+            self.stores += 1
+            self.host.put(sid, size)
+            self.sessions[sid].where = "host"
+        else:
+            self.sessions[sid].where = None
+
     def make_room(self, t: float, nbytes: int) -> None:
         for victim in self.device.victims(nbytes, self.busy):
-            size = self.device.pop(victim)
-            state = self.sessions[victim]
-            for dropped in self.host.victims(size, self.busy):
-                self.host.pop(dropped)
-                self.sessions[dropped].where = None
-            if self.host.fits(size):
-                self.link(t, size)
-                self.stores += 1
-                self.host.put(victim, size)
-                state.where = "host"
-            else:
-                state.where = None
+            self.to_host(t, victim, self.device.pop(victim))
+
+    def idle(self, t: float, sid: Hashable, since: float) -> None:
+        """`idle_offload_s` after a turn ended: demote the session if it is still idle there
+        and the host tier can hold it (the engine keeps the device copy otherwise)."""
+        s = self.sessions[sid]
+        if sid in self.busy or s.where != "device" or s.last_finish != since:
+            return
+        size = self.device.items[sid]
+        if size > self.host.capacity:
+            return
+        self.device.pop(sid)
+        self.to_host(t, sid, size)
+        self.idle_demotions += 1
 
     def arrive(self, t: float, sid: Hashable) -> None:
         s = self.sessions[sid]
@@ -227,7 +215,6 @@ class _Sim:
         new, ctx = len(req.new_tokens), s.context
         held = ctx * self.per_token
         self.busy.add(sid)
-        ready, wait = t, 0.0
         if s.where == "device":
             residency, tokens, cached = "resident", new, ctx
             self.device.pop(sid)
@@ -243,11 +230,11 @@ class _Sim:
         self.make_room(t, total)
         self.device.put(sid, total)
         s.where = "device"
-        self.pending[sid] = _Admitted(req, t, residency, ctx, wait,
-                                      ctx + new + req.output_tokens,
-                                      self.step_prefill_s(tokens, cached))
+        share = self.planner.prefill_s(ctx, 0) if residency == "recomputed" else 0.0
+        self.pending[sid] = _Admitted(req, t, residency, ctx, ctx + new + req.output_tokens,
+                                      self.step_prefill_s(tokens, cached), share, t)
         if residency != "host":
-            self.push(ready, "ready", sid, work)
+            self.push(t, "ready", sid, work)
         elif self.shared and self.stepping:
             # The engine admits between steps: the restore starts when the running step
             # ends, and the woken turn computes in the step after its load lands.
@@ -259,31 +246,45 @@ class _Sim:
         start, end = self.link(t, held)
         self.restores += 1
         p = self.pending[sid]
-        self.pending[sid] = replace(p, link_wait_s=start - p.arrival_s)
+        p.admitted_s, p.link_wait_s = t, start - t
         self.push(end + self.wake_overhead_s, "ready", sid, work)
 
     def ready(self, t: float, sid: Hashable, work: float) -> None:
+        p = self.pending[sid]
+        p.ready_s = t
         if self.shared:
             self.prefill_queue.append(sid)
             self.start_step(t)
             return
-        p = self.pending[sid]
-        start = max(t, self.server_free)
-        self.server_free = first = start + work
+        p.start_s = max(t, self.server_free)
+        self.server_free = first = p.start_s + work
+        self.compute_busy += work
         step = (self.weights + p.total_tokens * self.per_token) / self.hbm_bps
         finish = first + p.req.output_tokens * step
-        self.records.append(SimRecord(sid, p.req.turn, p.residency, p.arrival_s,
-                                      first - p.arrival_s, p.context, p.link_wait_s, finish))
+        self.records.append(self.record(sid, first, finish))
         self.push(finish, "finish", sid)
+
+    def record(self, sid: Hashable, first: float, finish: float) -> SimRecord:
+        """The turn's record: its TTFT split at the instants its `_Admitted` noted."""
+        p = self.pending[sid]
+        share = p.recompute_share_s
+        return SimRecord(
+            session_id=sid, turn=p.req.turn, residency=p.residency, arrival_s=p.arrival_s,
+            ttft_s=first - p.arrival_s, context=p.context, link_wait_s=p.link_wait_s,
+            finish_s=finish, queue_s=(p.admitted_s - p.arrival_s) + (p.start_s - p.ready_s),
+            tier_s=(p.ready_s - p.admitted_s) + share, compute_s=(first - p.start_s) - share)
 
     def start_step(self, t: float) -> None:
         """Shared compute: one engine step over every queued prefill and every decode row."""
         if self.stepping or not (self.prefill_queue or self.decoding):
             return
         self.in_step, self.prefill_queue = self.prefill_queue, []  # later arrivals wait
+        for sid in self.in_step:
+            self.pending[sid].start_s = t
         prefill = sum(self.pending[sid].prefill_s for sid in self.in_step)
         fixed = max(self.weights / self.hbm_bps, self.step_fixed_s)
         cost = fixed + prefill + len(self.decoding) * self.row_s
+        self.compute_busy += cost
         self.stepping = True
         self.push(t + cost, "step", None)
 
@@ -306,55 +307,61 @@ class _Sim:
                 done.append(sid)
         self.in_step = []
         for sid in done:
-            p = self.pending[sid]
-            first = self.first_token.pop(sid)
-            self.records.append(SimRecord(sid, p.req.turn, p.residency, p.arrival_s,
-                                          first - p.arrival_s, p.context, p.link_wait_s, t))
+            self.records.append(self.record(sid, self.first_token.pop(sid), t))
             self.finish(t, sid)
         self.start_step(t)
 
     def finish(self, t: float, sid: Hashable) -> None:
         s, p = self.sessions[sid], self.pending.pop(sid)
         s.context = p.total_tokens
+        s.last_finish = t
         self.busy.discard(sid)
+        if self.idle_offload_s > 0:
+            self.push(t + self.idle_offload_s, "idle", sid, t)
         if s.next_turn < len(s.turns):
             self.push(t + max(0.0, s.turns[s.next_turn].arrival_s), "arrive", sid)
 
+    def run(self) -> None:
+        """Pop events in time order until none are left."""
+        while self.events:
+            t, _, kind, sid, value = heapq.heappop(self.events)
+            if kind == "arrive":
+                self.arrive(t, sid)
+            elif kind == "ready":
+                self.ready(t, sid, value)
+            elif kind == "step":
+                self.step_end(t)
+            elif kind == "idle":
+                self.idle(t, sid, value)
+            else:
+                self.finish(t, sid)
 
-def simulate(requests: Sequence[TurnRequest], model: ModelShape, hardware: Hardware,
-             kv_dtype: str = "fp16", device_sessions: int | None = None, mode: str = "auto"
-             ) -> SimResult:
-    """Replay `requests` (every turn of every session) and report TTFT per residency class.
 
-    `device_sessions` bounds the device pool by a count of sessions instead of HBM bytes;
-    `mode` is the engine's preemption_mode (auto | swap | recompute) handed to the planner.
-    """
+def _check(mode: str, device_sessions: int | None, idle_offload_s: float) -> None:
     if mode not in ("auto", "swap", "recompute"):
         raise ConfigError(f"mode={mode!r}; choose auto, swap or recompute")
     if device_sessions is not None and device_sessions < 1:
         raise ConfigError(f"device_sessions={device_sessions} must be >= 1 (or None for HBM)")
-    sim = _Sim(model, hardware, kv_dtype, device_sessions, mode)
+    if not idle_offload_s >= 0:
+        raise ConfigError(f"idle_offload_s={idle_offload_s} must be >= 0 (0 = off)")
+
+
+def simulate(requests: Sequence[TurnRequest], model: ModelShape, hardware: Hardware,
+             kv_dtype: str = "fp16", device_sessions: int | None = None, mode: str = "auto",
+             idle_offload_s: float = 0.0) -> SimResult:
+    """Replay `requests` (every turn of every session) and report TTFT per residency class.
+
+    `device_sessions` bounds the device pool by a count of sessions instead of HBM bytes;
+    `mode` is the engine's preemption_mode (auto | swap | recompute) handed to the planner;
+    `idle_offload_s` is the engine's knob of that name (0: sessions leave only under pressure).
+    """
+    _check(mode, device_sessions, idle_offload_s)
+    sim = _Sim(model, hardware, kv_dtype, device_sessions, mode, idle_offload_s)
     for req in requests:
         sim.sessions.setdefault(req.session_id, _Session([])).turns.append(req)
     for sid, s in sim.sessions.items():
         s.turns.sort(key=lambda r: r.turn)
         sim.push(max(0.0, s.turns[0].arrival_s), "arrive", sid)
-    while sim.events:
-        t, _, kind, sid, value = heapq.heappop(sim.events)
-        if kind == "arrive":
-            sim.arrive(t, sid)
-        elif kind == "ready":
-            sim.ready(t, sid, value)
-        elif kind == "step":
-            sim.step_end(t)
-        else:
-            sim.finish(t, sid)
-    ttft: dict[str, dict[str, float | int | None]] = {}
-    for cls in ("all", *RESIDENCY_CLASSES):
-        values = [r.ttft_s for r in sim.records if cls in ("all", r.residency)]
-        ttft[cls] = {"count": len(values), "p50": percentile(values, 50),
-                     "p99": percentile(values, 99)}
-    return SimResult(
-        records=tuple(sim.records), ttft=ttft, link_busy_s=sim.link_busy, stores=sim.stores,
-        restores=sim.restores, makespan_s=max((r.finish_s for r in sim.records), default=0.0),
-    )
+    sim.run()
+    return summarize(sim.records, sim.link_busy, sim.stores, sim.restores, sim.compute_busy,
+                     sim.idle_demotions)

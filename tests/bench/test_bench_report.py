@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from kvtier.bench.html_report import write_html
 from kvtier.bench.report import (
     print_table,
     render_table,
     summarize_config,
-    write_html,
     write_json,
 )
 
@@ -179,7 +179,7 @@ def test_write_html_is_self_contained(tmp_path: Path) -> None:
     write_html(path, summaries, records, meta)
     text = path.read_text()
     images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
-    assert len(images) == 3
+    assert len(images) == 4  # CDF, context, split, link
     assert all(base64.b64decode(img).startswith(b"\x89PNG") for img in images)
     assert "http://" not in text and "https://" not in text
     assert "abc1234" in text and "kvtier bench --trace t.jsonl" in text

@@ -5,6 +5,7 @@ import json
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -65,20 +66,85 @@ class Turn:
 
 def test_trace_prints_simulated_ttft_per_class(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    seen = {}
+    seen = fake_loader(monkeypatch)
+    run_plan(parse("--trace", "t.jsonl", "--device-sessions", "1", "--context", "2000"))
+    text = capsys.readouterr().out
+    assert seen["args"] == ("t.jsonl", 128256, "auto")
+    assert seen["kw"] == {"scale_length": 1.0, "time_scale": 1.0, "limit": None}
+    assert "simulated TTFT by residency" in text and "host" in text
+    assert "simulated TTFT split (p50 / p90)" in text and "compute: busy" in text
+    run_plan(parse("--trace", "t.jsonl", "--device-sessions", "1", "--json"))
+    sim = json.loads(capsys.readouterr().out)["simulation"]
+    assert sim["ttft_s"]["host"]["count"] == 3 and len(sim["requests"]) == 6
+    host = sim["split_s"]["host"]
+    assert set(host) == {"queue", "tier", "compute"} and host["tier"]["p50"] > 0
+    assert set(sim["split_s"]) >= {"all", "resident", "host", "recomputed", "new"}
+    assert 0 < sim["compute_utilisation"] <= 1
+    for r in sim["requests"]:
+        assert r["queue_s"] + r["tier_s"] + r["compute_s"] == pytest.approx(r["ttft_s"])
 
-    def load_trace(path: str, vocab_size: int) -> list[Turn]:
-        seen["args"] = (path, vocab_size)
+
+def fake_loader(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """Stand in for kvtier.bench.trace: 3 sessions x 2 turns 60 s apart; notes its call."""
+    seen: dict[str, object] = {}
+
+    def load_trace(path: str, vocab_size: int, fmt: str = "auto", **kw: object) -> list[Turn]:
+        seen["args"], seen["kw"] = (path, vocab_size, fmt), kw
         return [Turn(s, k, float(s) if k == 0 else 60.0, (1,) * 2000, 50)
                 for s in range(3) for k in range(2)]
 
     fake = types.ModuleType("kvtier.bench.trace")
     fake.load_trace = load_trace  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "kvtier.bench.trace", fake)
-    run_plan(parse("--trace", "t.jsonl", "--device-sessions", "1", "--context", "2000"))
-    text = capsys.readouterr().out
-    assert seen["args"] == ("t.jsonl", 128256)
-    assert "simulated TTFT by residency" in text and "host" in text
-    run_plan(parse("--trace", "t.jsonl", "--device-sessions", "1", "--json"))
-    sim = json.loads(capsys.readouterr().out)["simulation"]
-    assert sim["ttft_s"]["host"]["count"] == 3 and len(sim["requests"]) == 6
+    return seen
+
+
+def test_trace_flags_reach_the_loader_as_bench_passes_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen = fake_loader(monkeypatch)
+    run_plan(parse("--trace", "m.jsonl", "--format", "mooncake", "--scale-length", "0.25",
+                   "--time-scale", "0.5", "--limit", "40", "--json"))
+    assert seen["args"] == ("m.jsonl", 128256, "mooncake")
+    assert seen["kw"] == {"scale_length": 0.25, "time_scale": 0.5, "limit": 40}
+    assert json.loads(capsys.readouterr().out)["simulation"]["split_s"]["all"]
+
+
+def test_trace_flags_shape_the_real_trace(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_jsonl(tmp_path)
+    run_plan(parse("--trace", str(path), "--limit", "2", "--time-scale", "3", "--json"))
+    requests = json.loads(capsys.readouterr().out)["simulation"]["requests"]
+    assert [(r["session_id"], r["turn"]) for r in requests] == [("a", 0), ("b", 0)]
+    assert requests[1]["arrival_s"] == pytest.approx(3 * 1.5)
+
+
+def write_jsonl(tmp_path: Path) -> Path:
+    """A kvtier JSONL trace: sessions a and b, two turns each."""
+    rows = [{"session": s, "turn": k, "arrival_s": 1.5 * i if k == 0 else 10.0,
+             "input_tokens": 300, "output_tokens": 8}
+            for k in range(2) for i, s in enumerate("ab")]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--limit", "0"), "limit=0: expected None (all requests) or an integer >= 1"),
+    (("--time-scale", "-1"), "time_scale"),
+    (("--scale-length", "0.5"), "applies to Mooncake traces only"),
+])
+def test_a_bad_trace_flag_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           flags: tuple[str, ...], message: str) -> None:
+    from kvtier.cli import main
+
+    assert main(["plan", "--trace", str(write_jsonl(tmp_path)), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_a_trace_flag_without_a_trace_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="--limit 5 applies to a simulated trace"):
+        run_plan(parse("--limit", "5"))
+    with pytest.raises(ConfigError, match=r"--time-scale 2\.0 applies"):
+        run_plan(parse("--time-scale", "2"))

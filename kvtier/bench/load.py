@@ -1,0 +1,124 @@
+"""Offered load against what the machine serves: saturation, and the time scale for a target.
+
+A replay whose offered load exceeds the machine's capacity measures its queue, not where the
+state lived. `offered_load(trace)` is the work the trace asks for per second of its own
+timeline; `saturation(...)` compares it with what a run achieved and with the engine's busy
+time; `auto_time_scale(...)` stretches a trace so that a replay runs at a target utilisation,
+from a probe that measures the engine's busy seconds on a sample of the trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.bench.trace import Trace, TraceError
+
+TARGET_UTILISATION = 0.7
+PROBE_SHARE = 0.25  # of the trace's requests, in whole sessions, first arrivals first
+PROBE_MAX_REQUESTS = 16
+SATURATED_QUEUE_SHARE = 0.5  # queue wait this much of all TTFT: the run measured its queue
+SATURATED_BUSY = 0.9  # or the engine this busy while the trace asked for more than it served
+SATURATED_OVERLOAD = 1.2
+
+
+def nominal_span_s(trace: Trace) -> float:
+    """How long the trace lasts on an infinitely fast server: each session's start plus its
+    think times (a later turn is sent a think time after the previous one finished)."""
+    return max((reqs[0].arrival_s + sum(r.arrival_s for r in reqs[1:])
+                for reqs in trace.sessions().values()), default=0.0)
+
+
+def trace_tokens(trace: Trace) -> int:
+    """The work the trace asks for, in tokens: every turn's new message plus its output."""
+    return trace.total_input_tokens + trace.total_output_tokens
+
+
+def offered_load(trace: Trace) -> float | None:
+    """Tokens per second of the trace's own timeline; None for a trace with no duration."""
+    span = nominal_span_s(trace)
+    return trace_tokens(trace) / span if span > 0 else None
+
+
+def rescale(trace: Trace, factor: float) -> Trace:
+    """The same trace with every arrival and think time multiplied by `factor`."""
+    requests = [dataclasses.replace(r, arrival_s=r.arrival_s * factor) for r in trace.requests]
+    scale = trace.meta.get("time_scale", 1.0) * factor
+    return Trace(requests, trace.source, {**trace.meta, "time_scale": scale})
+
+
+def probe_sample(trace: Trace) -> Trace:
+    """Whole sessions in order of first arrival, up to PROBE_SHARE of the requests (at most
+    PROBE_MAX_REQUESTS, at least one session), all sent at once with no think time."""
+    sessions = sorted(trace.sessions().values(), key=lambda reqs: reqs[0].arrival_s)
+    budget = min(PROBE_MAX_REQUESTS, max(1, round(PROBE_SHARE * len(trace.requests))))
+    chosen: list[Any] = []
+    for reqs in sessions:
+        if chosen and len(chosen) + len(reqs) > budget:
+            break
+        chosen.extend(dataclasses.replace(r, arrival_s=0.0) for r in reqs)
+    return Trace(chosen, f"probe of {trace.source}", {"probe_requests": len(chosen)})
+
+
+def check_auto(trace: Trace, target: float) -> None:
+    """Refuse, before any probe runs, a target or a trace no time scale can serve."""
+    if not 0 < target <= 1:
+        raise TraceError(f"--target-utilisation {target}: expected a fraction in (0, 1]")
+    if nominal_span_s(trace) <= 0:
+        raise TraceError("--time-scale auto: every request of this trace arrives at t=0, so "
+                         "no time scale changes its load; give a numeric --time-scale")
+
+
+def auto_time_scale(trace: Trace, probe_busy_s: float, probe: Trace,
+                    target: float = TARGET_UTILISATION) -> dict[str, float]:
+    """The factor that makes the trace's offered load `target` of what the probe measured the
+    machine to serve: busy seconds per token of the sample, times the trace's tokens, over
+    the trace's nominal span."""
+    check_auto(trace, target)
+    span = nominal_span_s(trace)
+    per_token = probe_busy_s / max(1, trace_tokens(probe))
+    demand = per_token * trace_tokens(trace)
+    factor = demand / (target * span)
+    return {"factor": factor, "target_utilisation": target, "probe_busy_s": probe_busy_s,
+            "probe_requests": len(probe.requests), "busy_s_per_token": per_token,
+            "nominal_span_s": span}
+
+
+def saturation(records: Sequence[dict[str, Any]], busy_s: float | None, wall_s: float,
+               offered: float | None, time_scale: float) -> dict[str, Any]:
+    """How loaded the run was: utilisation, queue wait's share of TTFT, offered vs achieved
+    tokens/s, and, when saturated, the time scale that would bring it to TARGET_UTILISATION."""
+    split = [r for r in records if r.get("queue_s") is not None and r["ttft_s"] is not None]
+    ttft = sum(r["ttft_s"] for r in split)
+    queue_share = sum(r["queue_s"] for r in split) / ttft if ttft > 0 else None
+    tokens = sum(r.get("new_tokens", 0) + r["output_tokens"] for r in records)
+    achieved = tokens / wall_s if wall_s > 0 else None
+    overload = offered / achieved if offered and achieved else None
+    utilisation = busy_s / wall_s if busy_s is not None and wall_s > 0 else None
+    saturated = bool(
+        (queue_share is not None and queue_share >= SATURATED_QUEUE_SHARE)
+        or (utilisation is not None and utilisation >= SATURATED_BUSY
+            and overload is not None and overload >= SATURATED_OVERLOAD))
+    suggest = (time_scale * max(overload, 1.0) / TARGET_UTILISATION
+               if saturated and overload else None)
+    return {"utilisation": utilisation, "queue_share": queue_share,
+            "offered_tokens_per_s": offered, "achieved_tokens_per_s": achieved,
+            "overload": overload, "saturated": saturated, "time_scale": time_scale,
+            "suggested_time_scale": suggest}
+
+
+def saturation_message(s: dict[str, Any]) -> str:
+    """The saturation flag in words: what share of TTFT was queueing, and what to do."""
+    parts = []
+    if s["queue_share"] is not None:
+        parts.append(f"queue wait is {s['queue_share']:.0%} of TTFT")
+    if s["utilisation"] is not None:
+        parts.append(f"the engine was busy {s['utilisation']:.0%} of the run")
+    text = " and ".join(parts) or "the run is saturated"
+    if s["overload"] is not None:
+        text += f": the offered load is {s['overload']:.1f}x what this machine served"
+    if s["suggested_time_scale"] is not None:
+        text += (f"; try --time-scale {s['suggested_time_scale']:.3g} (or --time-scale auto)"
+                 " so TTFT shows where the state lived rather than the queue")
+    return text
