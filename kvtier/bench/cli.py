@@ -130,8 +130,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
     auto = None
     if time_scale is None:  # --time-scale auto
-        auto = _probe(trace, replay, {**base, **next(iter(configs.values()))},
-                      args.target_utilisation)
+        from kvtier.bench.load import probe_time_scale
+
+        knobs = {**base, **next(iter(configs.values()))}
+        auto = probe_time_scale(trace, lambda t: _busy(replay(t, "probe", knobs)),
+                                args.target_utilisation,
+                                lambda text: print(f"--time-scale auto: {text}", flush=True))
         time_scale = auto["factor"]
     if time_scale != 1.0:
         trace = rescale(trace, time_scale)
@@ -180,24 +184,10 @@ def _time_scale(text: str) -> float | None:
     return value
 
 
-def _probe(trace: Any, replay: Any, knobs: dict[str, Any], target: float) -> dict[str, Any]:
-    """Measure this machine on a sample of the trace (sent all at once), then pick the time
-    scale at which the whole trace offers `target` of what it served."""
-    from kvtier.bench.load import auto_time_scale, check_auto, probe_sample
-
-    check_auto(trace, target)
-    sample = probe_sample(trace)
-    print(f"--time-scale auto: probing this machine with {len(sample.requests)} requests "
-          "of the trace, sent at once", flush=True)
-    run = replay(sample, "probe", knobs)
+def _busy(run: Any) -> float:
+    """The engine's busy seconds; for a server, which does not say, its wall time."""
     busy = run.engine.get("busy_s")
-    busy = run.wall_s if busy is None else busy  # a server: its wall time under the burst
-    auto = auto_time_scale(trace, busy, sample, target)
-    auto["busy_measured_as"] = "engine busy_s" if "busy_s" in run.engine else "probe wall_s"
-    print(f"--time-scale auto: {auto['probe_busy_s']:.1f} s busy for {len(sample.requests)} "
-          f"requests -> time scale {auto['factor']:.3g} for {target:.0%} utilisation",
-          flush=True)
-    return auto
+    return run.wall_s if busy is None else busy
 
 
 def _run_all(loaded: Any, trace: Any, base: dict[str, Any], configs: dict[str, dict[str, Any]],

@@ -10,7 +10,7 @@ from a probe that measures the engine's busy seconds on a sample of the trace.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.bench.trace import Trace, TraceError
@@ -48,16 +48,23 @@ def rescale(trace: Trace, factor: float) -> Trace:
     return Trace(requests, trace.source, {**trace.meta, "time_scale": scale})
 
 
-def probe_sample(trace: Trace) -> Trace:
+def probe_sample(trace: Trace, burst: bool = True) -> Trace:
     """Whole sessions in order of first arrival, up to PROBE_SHARE of the requests (at most
-    PROBE_MAX_REQUESTS, at least one session), all sent at once with no think time."""
+    PROBE_MAX_REQUESTS, at least one session): with `burst` all sent at once with no think
+    time, else at the trace's own times (from the first of them)."""
     sessions = sorted(trace.sessions().values(), key=lambda reqs: reqs[0].arrival_s)
     budget = min(PROBE_MAX_REQUESTS, max(1, round(PROBE_SHARE * len(trace.requests))))
     chosen: list[Any] = []
+    t0 = sessions[0][0].arrival_s if sessions else 0.0
     for reqs in sessions:
         if chosen and len(chosen) + len(reqs) > budget:
             break
-        chosen.extend(dataclasses.replace(r, arrival_s=0.0) for r in reqs)
+        chosen.extend(reqs)
+    if burst:
+        chosen = [dataclasses.replace(r, arrival_s=0.0) for r in chosen]
+    else:
+        chosen = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) if r.turn == 0 else r
+                  for r in chosen]
     return Trace(chosen, f"probe of {trace.source}", {"probe_requests": len(chosen)})
 
 
@@ -83,6 +90,25 @@ def auto_time_scale(trace: Trace, probe_busy_s: float, probe: Trace,
     return {"factor": factor, "target_utilisation": target, "probe_busy_s": probe_busy_s,
             "probe_requests": len(probe.requests), "busy_s_per_token": per_token,
             "nominal_span_s": span}
+
+
+def probe_time_scale(trace: Trace, busy_s: Callable[[Trace], float], target: float,
+                     say: Callable[[str], None]) -> dict[str, Any]:
+    """Measure this machine on a sample of the trace twice: sent at once (a first guess at
+    its cost), then at its own times stretched by that guess (the cost at about the target's
+    batching, which a burst overstates); the time scale for `target` from the second.
+    `busy_s(trace)` replays a trace on a fresh engine and returns its busy seconds."""
+    check_auto(trace, target)
+    burst = probe_sample(trace)
+    say(f"probing this machine with {len(burst.requests)} requests of the trace, sent at once")
+    first = auto_time_scale(trace, busy_s(burst), burst, target)
+    paced = rescale(probe_sample(trace, burst=False), first["factor"])
+    say(f"first guess {first['factor']:.3g}; probing again with them at that scale")
+    auto = auto_time_scale(trace, busy_s(paced), paced, target)
+    auto["first_guess"] = first["factor"]
+    say(f"{auto['probe_busy_s']:.1f} s busy for {len(paced.requests)} requests -> time scale "
+        f"{auto['factor']:.3g} for {target:.0%} utilisation")
+    return auto
 
 
 def saturation(records: Sequence[dict[str, Any]], busy_s: float | None, wall_s: float,
