@@ -133,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvtier.bench.load import probe_time_scale
 
         knobs = {**base, **next(iter(configs.values()))}
-        auto = probe_time_scale(trace, lambda t: _busy(replay(t, "probe", knobs)),
+        auto = probe_time_scale(trace, lambda t: replay(t, "probe", knobs),
                                 args.target_utilisation,
                                 lambda text: print(f"--time-scale auto: {text}", flush=True))
         time_scale = auto["factor"]
@@ -182,12 +182,6 @@ def _time_scale(text: str) -> float | None:
         raise ConfigError(f"--time-scale {text!r}: expected a number >= 0 (1 = as recorded) "
                           "or auto")
     return value
-
-
-def _busy(run: Any) -> float:
-    """The engine's busy seconds; for a server, which does not say, its wall time."""
-    busy = run.engine.get("busy_s")
-    return run.wall_s if busy is None else busy
 
 
 def _run_all(loaded: Any, trace: Any, base: dict[str, Any], configs: dict[str, dict[str, Any]],

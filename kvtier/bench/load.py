@@ -77,38 +77,59 @@ def check_auto(trace: Trace, target: float) -> None:
                          "no time scale changes its load; give a numeric --time-scale")
 
 
+def span_at(trace: Trace, scale: float, service_s: float) -> float:
+    """How long a replay at `scale` lasts when each turn takes `service_s` to serve: the
+    longest session's start and think times stretched, plus its turns' service."""
+    return max((scale * (reqs[0].arrival_s + sum(r.arrival_s for r in reqs[1:]))
+                + len(reqs) * service_s for reqs in trace.sessions().values()), default=0.0)
+
+
 def auto_time_scale(trace: Trace, probe_busy_s: float, probe: Trace,
-                    target: float = TARGET_UTILISATION) -> dict[str, float]:
-    """The factor that makes the trace's offered load `target` of what the probe measured the
-    machine to serve: busy seconds per token of the sample, times the trace's tokens, over
-    the trace's nominal span."""
+                    target: float = TARGET_UTILISATION, service_s: float = 0.0
+                    ) -> dict[str, float]:
+    """The factor at which the trace keeps the machine `target` busy: the probe's busy
+    seconds per token times the trace's tokens (its demand), over the replay's span at that
+    factor, each turn taking `service_s` (a later turn waits for the one before)."""
     check_auto(trace, target)
-    span = nominal_span_s(trace)
     per_token = probe_busy_s / max(1, trace_tokens(probe))
     demand = per_token * trace_tokens(trace)
-    factor = demand / (target * span)
-    return {"factor": factor, "target_utilisation": target, "probe_busy_s": probe_busy_s,
+    lo, hi = 0.0, demand / (target * nominal_span_s(trace))  # at hi the span alone suffices
+    for _ in range(60):  # span_at grows with the factor: bisect for demand / span = target
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if demand / max(span_at(trace, mid, service_s), 1e-9) > target \
+            else (lo, mid)
+    return {"factor": hi, "target_utilisation": target, "probe_busy_s": probe_busy_s,
             "probe_requests": len(probe.requests), "busy_s_per_token": per_token,
-            "nominal_span_s": span}
+            "service_s": service_s, "nominal_span_s": nominal_span_s(trace)}
 
 
-def probe_time_scale(trace: Trace, busy_s: Callable[[Trace], float], target: float,
+def probe_time_scale(trace: Trace, replay: Callable[[Trace], Any], target: float,
                      say: Callable[[str], None]) -> dict[str, Any]:
     """Measure this machine on a sample of the trace twice: sent at once (a first guess at
     its cost), then at its own times stretched by that guess (the cost at about the target's
-    batching, which a burst overstates); the time scale for `target` from the second.
-    `busy_s(trace)` replays a trace on a fresh engine and returns its busy seconds."""
+    batching, which a burst understates, and each turn's service time); the time scale for
+    `target` from the second. `replay(trace)` runs a trace on a fresh engine (a ConfigRun)."""
     check_auto(trace, target)
     burst = probe_sample(trace)
     say(f"probing this machine with {len(burst.requests)} requests of the trace, sent at once")
-    first = auto_time_scale(trace, busy_s(burst), burst, target)
+    first = auto_time_scale(trace, run_busy_s(replay(burst)), burst, target)
     paced = rescale(probe_sample(trace, burst=False), first["factor"])
     say(f"first guess {first['factor']:.3g}; probing again with them at that scale")
-    auto = auto_time_scale(trace, busy_s(paced), paced, target)
+    run = replay(paced)
+    service = [r["finish_s"] - r["arrival_s"] for r in run.records]
+    auto = auto_time_scale(trace, run_busy_s(run), paced, target,
+                           sum(service) / len(service) if service else 0.0)
     auto["first_guess"] = first["factor"]
-    say(f"{auto['probe_busy_s']:.1f} s busy for {len(paced.requests)} requests -> time scale "
-        f"{auto['factor']:.3g} for {target:.0%} utilisation")
+    say(f"{auto['probe_busy_s']:.1f} s busy for {len(paced.requests)} requests, "
+        f"{auto['service_s']:.2f} s per turn -> time scale {auto['factor']:.3g} for "
+        f"{target:.0%} utilisation")
     return auto
+
+
+def run_busy_s(run: Any) -> float:
+    """A run's engine busy seconds; for a server, which does not say, its wall time."""
+    busy = run.engine.get("busy_s")
+    return run.wall_s if busy is None else busy
 
 
 def saturation(records: Sequence[dict[str, Any]], busy_s: float | None, wall_s: float,

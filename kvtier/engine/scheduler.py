@@ -225,7 +225,10 @@ class Scheduler:
         if not done.success:  # what the load was to bring back is computed again: tier time
             t.state_tokens = max(t.state_tokens, plan.start)
         rebuilding = t.state_tokens > (plan.start if done.success else plan.prefix.num_tokens)
-        t.enter(Phase.TIER if rebuilding else Phase.COMPUTE, time.perf_counter())
+        now = time.perf_counter()
+        if 0 < done.finished_at <= now:  # landed mid-step: it waited for the engine since
+            t.enter(Phase.QUEUE, done.finished_at)
+        t.enter(Phase.TIER if rebuilding else Phase.COMPUTE, now)
         if done.success:
             return True
         # A failed load is a miss, never a load: recompute from the end of the device prefix.

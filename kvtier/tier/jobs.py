@@ -55,6 +55,7 @@ class Result:
     reasons: tuple[str, ...]
     nbytes: int
     seconds: float
+    finished_at: float = 0.0  # time.perf_counter() when the job ended (0: unknown)
 
     @property
     def success(self) -> bool:
@@ -62,10 +63,11 @@ class Result:
 
     @classmethod
     def whole(cls, job_id: int, num_blocks: int, success: bool, nbytes: int, seconds: float,
-              error: str | None = None) -> Result:
+              error: str | None = None, finished_at: float = 0.0) -> Result:
         """A job that succeeds or fails as one (a device <-> host copy)."""
         reason = "" if success else (error or "failed")
-        return cls(job_id, (success,) * num_blocks, (reason,) * num_blocks, nbytes, seconds)
+        return cls(job_id, (success,) * num_blocks, (reason,) * num_blocks, nbytes, seconds,
+                   finished_at)
 
 
 SKIPPED = "skipped"  # the reason for a block after a failed one in the same job: not its fault
@@ -81,6 +83,7 @@ class LoadDone:
     num_blocks: int
     nbytes: int
     seconds: float
+    finished_at: float = 0.0  # time.perf_counter() when it ended: the state was ready then
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ class TierManager:
             self.stats.failed_loads += 1
         assert pending.request_id is not None
         return LoadDone(pending.request_id, job.id, ok, len(pending.keys), nbytes,
-                        result.seconds)
+                        result.seconds, result.finished_at)
 
 
 def job_ids() -> Iterator[int]:

@@ -18,6 +18,7 @@ from kvtier.bench.load import (
     probe_time_scale,
     rescale,
     saturation,
+    span_at,
 )
 from kvtier.bench.report import summarize_config
 from kvtier.bench.run import run_config
@@ -46,8 +47,8 @@ def measured(tiny: LoadedModel) -> tuple[Any, dict[str, Any]]:
     """The trace and the probe's verdict: the factor that offers 70% of what it serves."""
     trace = trace_of(tiny)
     said: list[str] = []
-    auto = probe_time_scale(trace, lambda t: run_config(tiny, t, "p", KNOBS).engine["busy_s"],
-                            0.7, said.append)
+    auto = probe_time_scale(trace, lambda t: run_config(tiny, t, "p", KNOBS), 0.7,
+                            said.append)
     assert len(said) == 3 and auto["first_guess"] > 0
     return trace, auto
 
@@ -82,6 +83,14 @@ def test_the_probe_takes_whole_sessions_sent_at_once(tiny: LoadedModel) -> None:
     assert nominal_span_s(rescale(trace, 3.0)) == pytest.approx(3 * nominal_span_s(trace))
     with pytest.raises(TraceError, match="target-utilisation"):
         auto_time_scale(trace, 1.0, sample, 1.5)
+    # each turn's service lengthens the replay, so a slower service needs a smaller stretch
+    fast = auto_time_scale(trace, 10.0, sample, 0.7)
+    slow = auto_time_scale(trace, 10.0, sample, 0.7, service_s=0.5)
+    assert slow["factor"] < fast["factor"]
+    for auto in (fast, slow):
+        demand = auto["busy_s_per_token"] * (trace.total_input_tokens + trace.total_output_tokens)
+        span = span_at(trace, auto["factor"], auto["service_s"])
+        assert demand / span == pytest.approx(0.7, rel=1e-6)
 
 
 def split_rec(residency: str, queue: float, tier: float, compute: float,

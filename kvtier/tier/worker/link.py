@@ -353,7 +353,7 @@ class TransferEngine:
         counter.jobs += 1
         counter.failures += job.error is not None
         job.result = TransferResult(job.id, job.spec, job.error is None, job.bytes, seconds,
-                                    job.error)
+                                    job.error, time.perf_counter())
         job.state = JobState.FINISHED
         job.index = None
         self._finished.append(job)

@@ -60,6 +60,7 @@ class TransferResult:
     bytes: int  # bytes actually copied (for a failed job: before the failure)
     seconds: float  # wall time from the job's first copy starting to its last one finishing
     error: str | None = None
+    finished_at: float = 0.0  # time.perf_counter() when the worker saw it end (0: unknown)
 
 
 @dataclass(frozen=True)

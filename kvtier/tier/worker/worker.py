@@ -120,4 +120,5 @@ class TierWorker:
     def _result(self, r: TransferResult) -> Result:
         job_id = self._job_id.pop(r.job_id)
         del self._link_id[job_id]
-        return Result.whole(job_id, r.spec.num_blocks, r.success, r.bytes, r.seconds, r.error)
+        return Result.whole(job_id, r.spec.num_blocks, r.success, r.bytes, r.seconds, r.error,
+                            r.finished_at)
