@@ -1,6 +1,7 @@
 """The tier's CUDA paths, checked on a real GPU with nothing but torch (and numpy, xxhash):
-pinned host pool, side streams and events, whole and layerwise loads, over both KV layouts
-(kvtier's contiguous one, vLLM's one tensor per layer), byte for byte; restore GB/s beside
+pinned host pool, side streams and events, whole and layerwise loads, over the KV layouts
+(kvtier's contiguous one, one tensor per layer, and vLLM's CUDA tensors as the connector's
+`ExpectedLayout` accepts them), byte for byte; restore GB/s beside
 the measured pinned host -> device peak of the same machine. Writes one JSON file.
 
     python scripts/gpu_check.py --out gpu-check.json
@@ -19,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvtier.integrations.vllm.worker_side import ExpectedLayout
 from kvtier.tier import Job, KVLayout, Medium, TierWorker
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link import TransferEngine
@@ -51,7 +53,11 @@ def layouts(num_blocks: int) -> dict[str, KVLayout]:
     layers = {f"model.layers.{i}.self_attn.attn":
               torch.randn(num_blocks, HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16)
               for i in range(LAYERS)}
-    return {"contiguous": KVLayout.from_contiguous(kv), "per-layer": KVLayout.from_layers(layers)}
+    # vLLM on CUDA: the LBHNC layout the connector requests, each layer allocated apart,
+    # through the connector's own check of what register_kv_caches hands it
+    expected = ExpectedLayout(LAYERS, num_blocks, (HEADS, BS, 2 * DIM), torch.bfloat16, 0)
+    return {"contiguous": KVLayout.from_contiguous(kv), "per-layer": KVLayout.from_layers(layers),
+            "vllm-cuda": expected.check({name: t.clone() for name, t in layers.items()})}
 
 
 def block(layout: KVLayout, b: int) -> torch.Tensor:

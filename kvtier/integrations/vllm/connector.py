@@ -179,6 +179,12 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierStats(data=data) if data else None
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Block, then head, token, channel in each layer (LBHNC): a block of a layer is one
+        dense run, as on vLLM CPU; on CUDA FlashAttention's default would be LBNHC."""
+        return "LBHNC"
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
         return KvtierStats(data=dict(data or {}))
 
@@ -236,6 +242,18 @@ def _salt(request: Request) -> str:
     return f"{request.cache_salt or ''}\x00lora={lora}"
 
 
+def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
+    """What decides how the attention kernels lay a block's bytes out: the CPU ISA; on CUDA
+    the attention backend asked for (or "auto") and the GPU's compute capability, from which
+    vLLM's automatic choice follows."""
+    if platform.device_type == "cpu":
+        return f"cpu-{torch.backends.cpu.get_cpu_capability()}"
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    capability = platform.get_device_capability()
+    sm = "unknown" if capability is None else f"{capability.major}{capability.minor}"
+    return f"cuda-sm{sm}-{getattr(chosen, 'name', chosen) or 'auto'}"
+
+
 def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
           config: TierConfig) -> _Plan:
     parallel = vllm_config.parallel_config
@@ -257,11 +275,12 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         raise ConfigError("kv_offload_dtype (8-bit demotion) is kvtier-engine only for now; "
                           "unset it under vLLM")
     platform = vllm.platforms.current_platform
-    if platform.device_type != "cpu":
-        raise ConfigError(f"kvtier's connector is tested on vLLM's CPU backend; this is "
-                          f"{platform.device_type} (its paged layout is not supported yet)")
+    if platform.device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"kvtier's connector runs on vLLM's CPU and CUDA backends; this is "
+                          f"{platform.device_type} (its paged layout is not supported)")
     block_size = int(spec.block_size)
-    # vLLM CPU: each layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    # LBHNC (vLLM CPU's only layout; requested on CUDA by get_required_kvcache_layout):
+    # each layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
     layer_block_shape = (int(spec.num_kv_heads), block_size, 2 * int(spec.head_size))
     layers = len(group.layer_names)
     dtype = spec.dtype
@@ -270,8 +289,7 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                               host_slot_count(config.kv_offloading_size, nbytes))
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    backend = (f"vllm-{vllm.__version__}-{platform.device_type}-"
-               f"{torch.backends.cpu.get_cpu_capability()}-per-layer-HBNC")
+    backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
     fingerprint = Fingerprint(
         weights_digest=weights_identity(model.model, model.revision),
         architecture=model.hf_config.to_json_string(use_diff=False),

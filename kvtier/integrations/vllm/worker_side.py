@@ -1,7 +1,9 @@
 """The connector's worker half: vLLM's registered KV tensors become a `KVLayout` under a
-`TierWorker`, and each step's jobs run around the forward pass. Copies are synchronous on
-CPU: loads finish before the forward pass reads them, stores before `wait_for_save` returns
-(so vLLM may free or reuse the blocks at once); both cost well under a millisecond a block.
+`TierWorker`, and each step's jobs run around the forward pass. Each step's copies are
+waited for: loads finish before the forward pass reads them, stores before `wait_for_save`
+returns (so vLLM may free or reuse the blocks at once). On CPU they are plain copies, well
+under a millisecond a block; on CUDA they run on the link's side streams from a pinned host
+pool, a store ordered after the compute queued before it by an event.
 Jobs below host (host rows written on to disk or Redis, fetches back into host rows) run on
 the tier's I/O thread, across steps; their results go back with whichever step sees them.
 
@@ -25,11 +27,19 @@ from kvtier.tier import Job, KVLayout, Medium, Result, TierConfig, TierWorker, b
 
 @dataclass(frozen=True)
 class ExpectedLayout:
-    """What the scheduler side planned for: vLLM CPU's per-layer paged cache."""
+    """What the scheduler side planned for: vLLM's per-layer paged cache in its LBHNC layout
+    (the one vLLM CPU uses and the connector requests on CUDA), each layer
+    [num_blocks, num_kv_heads, block_size, 2 * head_size], contiguous. On CUDA the layers
+    may be allocated one by one; on CPU vLLM 0.32 puts them in one allocation, and anything
+    else is refused there (fail closed).
+
+    An attention kernel that pages in smaller blocks than the scheduler (vLLM splits each
+    manager block into r kernel blocks) would change what a block's bytes mean without the
+    scheduler side, which names blocks, knowing it: refused, with the block size that fits."""
 
     num_layers: int
     num_blocks: int
-    layer_block_shape: tuple[int, ...]  # [num_kv_heads, block_size, 2 * head_size] on CPU
+    layer_block_shape: tuple[int, ...]  # [num_kv_heads, block_size, 2 * head_size]
     dtype: Any
     host_slots: int
 
@@ -37,19 +47,34 @@ class ExpectedLayout:
         if len(layers) != self.num_layers:
             raise ConfigError(f"vLLM registered {len(layers)} KV tensors, kvtier planned for "
                               f"{self.num_layers} layers; refusing an unknown KV layout")
-        want = (self.num_blocks, *self.layer_block_shape)
         for name, t in layers.items():
-            if tuple(t.shape) != want or t.dtype != self.dtype or not t.is_contiguous():
-                raise ConfigError(
-                    f"vLLM's KV tensor {name} is {tuple(t.shape)} {t.dtype} (contiguous="
-                    f"{t.is_contiguous()}); kvtier knows vLLM CPU's contiguous {want} "
-                    f"{self.dtype} layout only and refuses any other (fail closed)")
+            self._check_layer(name, t)
         storages = {t.untyped_storage().data_ptr() for t in layers.values()}
-        if len(storages) != 1:
+        cuda = all(t.is_cuda for t in layers.values())
+        if len(storages) != 1 and not (cuda and len(storages) == len(layers)):
             raise ConfigError(f"vLLM's KV tensors live in {len(storages)} allocations; kvtier "
-                              "knows the one-allocation layout of vLLM 0.32's CPU backend only")
+                              "knows one allocation for all layers (vLLM 0.32's CPU backend) "
+                              "or, on CUDA, one per layer")
         return KVLayout.from_layers(layers)
 
+    def _check_layer(self, name: str, t: Any) -> None:
+        """A ConfigError naming the tensor for any shape, dtype or stride but the planned."""
+        heads, tokens, width = self.layer_block_shape
+        shape = tuple(t.shape)
+        if len(shape) == 4 and shape[1:] != (heads, tokens, width) and shape[0] > \
+                self.num_blocks and shape[0] % self.num_blocks == 0 \
+                and shape[2] * (shape[0] // self.num_blocks) == tokens:
+            raise ConfigError(
+                f"vLLM's attention kernel pages KV in blocks of {shape[2]} tokens, the "
+                f"scheduler in blocks of {tokens}; kvtier keys and stores scheduler blocks "
+                f"and would have to know the kernel's split on both sides: start vLLM with "
+                f"--block-size {shape[2]}")
+        want = (self.num_blocks, heads, tokens, width)
+        if shape != want or t.dtype != self.dtype or not t.is_contiguous():
+            raise ConfigError(
+                f"vLLM's KV tensor {name} is {shape} {t.dtype} (contiguous="
+                f"{t.is_contiguous()}); kvtier knows vLLM's contiguous LBHNC layout {want} "
+                f"{self.dtype} only and refuses any other (fail closed)")
 
 class WorkerSide:
     """A TierWorker over vLLM's KV caches, run one step at a time."""
