@@ -93,7 +93,7 @@ def _pair(text: str, kind: type, flag: str) -> tuple[Any, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     from kvtier.bench import report
     from kvtier.bench.html_report import write_html
-    from kvtier.bench.load import offered_load, rescale, saturation
+    from kvtier.bench.load import nominal_span_s, offered_load, rescale, saturation
     from kvtier.bench.run import run_config
     from kvtier.bench.trace import generate, load_trace
     from kvtier.model.loader import load_model
@@ -144,11 +144,11 @@ def run_bench(args: argparse.Namespace) -> int:
         runs = [replay(trace, args.name, {})]
     else:
         runs = _run_all(loaded, trace, base, configs, run_config)
-    offered = offered_load(trace)
+    span = nominal_span_s(trace)
     scale_length = args.scale_length if trace.meta.get("format") == "mooncake" else None
     summaries = {r.name: report.summarize_config(
         r.records, r.engine,
-        saturation(r.records, r.engine.get("busy_s"), r.wall_s, offered, time_scale),
+        saturation(r.records, r.engine.get("busy_s"), r.wall_s, span, time_scale),
         r.rejected, scale_length) for r in runs}
     report.print_table(summaries)
     meta = {"command": " ".join(["kvtier", *sys.argv[1:]]), "git_sha": git_sha(),
@@ -156,7 +156,8 @@ def run_bench(args: argparse.Namespace) -> int:
             "model": loaded.source, "trace": trace.source, "base_knobs": base,
             "configs": {r.name: {**base, **r.knobs} for r in runs},
             "wall_s": {r.name: r.wall_s for r in runs}, "time_scale": time_scale,
-            "time_scale_auto": auto, "offered_tokens_per_s": offered,
+            "time_scale_auto": auto, "offered_tokens_per_s": offered_load(trace),
+            "nominal_span_s": span,
             "refused": {r.name: r.rejected for r in runs}}
     records = [rec for r in runs for rec in r.records]
     report.write_json(out_dir / "results.json", {

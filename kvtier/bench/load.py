@@ -21,6 +21,7 @@ PROBE_MAX_REQUESTS = 16
 SATURATED_QUEUE_SHARE = 0.5  # queue wait this much of all TTFT: the run measured its queue
 SATURATED_BUSY = 0.9  # or the engine this busy while the trace asked for more than it served
 SATURATED_OVERLOAD = 1.2
+BURSTY_BUSY = 0.8  # a queue while the engine idles this much of the run: bursty arrivals
 
 
 def nominal_span_s(trace: Trace) -> float:
@@ -133,14 +134,16 @@ def run_busy_s(run: Any) -> float:
 
 
 def saturation(records: Sequence[dict[str, Any]], busy_s: float | None, wall_s: float,
-               offered: float | None, time_scale: float) -> dict[str, Any]:
-    """How loaded the run was: utilisation, queue wait's share of TTFT, offered vs achieved
-    tokens/s, and, when saturated, the time scale that would bring it to TARGET_UTILISATION."""
+               span_s: float, time_scale: float) -> dict[str, Any]:
+    """How loaded the run was: utilisation, queue wait's share of TTFT, the tokens/s the
+    trace offered (for the requests served, over its nominal `span_s`) against what the run
+    achieved (over its wall time), and, when saturated, the time scale to try."""
     split = [r for r in records if r.get("queue_s") is not None and r["ttft_s"] is not None]
     ttft = sum(r["ttft_s"] for r in split)
     queue_share = sum(r["queue_s"] for r in split) / ttft if ttft > 0 else None
     tokens = sum(r.get("new_tokens", 0) + r["output_tokens"] for r in records)
-    achieved = tokens / wall_s if wall_s > 0 else None
+    offered = tokens / span_s if span_s > 0 and records else None
+    achieved = tokens / wall_s if wall_s > 0 and records else None
     overload = offered / achieved if offered and achieved else None
     utilisation = busy_s / wall_s if busy_s is not None and wall_s > 0 else None
     saturated = bool(
@@ -156,15 +159,16 @@ def saturation(records: Sequence[dict[str, Any]], busy_s: float | None, wall_s: 
 
 
 def saturation_message(s: dict[str, Any]) -> str:
-    """The saturation flag in words: what share of TTFT was queueing, and what to do."""
-    parts = []
-    if s["queue_share"] is not None:
-        parts.append(f"queue wait is {s['queue_share']:.0%} of TTFT")
-    if s["utilisation"] is not None:
-        parts.append(f"the engine was busy {s['utilisation']:.0%} of the run")
-    text = " and ".join(parts) or "the run is saturated"
-    if s["overload"] is not None:
-        text += f": the offered load is {s['overload']:.1f}x what this machine served"
+    """The saturation flag in words: what share of TTFT was queueing, why, and what to do."""
+    busy, share = s["utilisation"], s["queue_share"]
+    text = "the run is saturated" if share is None else f"queue wait is {share:.0%} of TTFT"
+    if busy is not None and busy < BURSTY_BUSY:
+        text += (f" although the engine was busy only {busy:.0%} of the run: the trace's "
+                 "arrivals come in bursts this machine cannot absorb")
+    elif busy is not None:
+        text += f" and the engine was busy {busy:.0%} of the run"
+    if s["overload"] is not None and s["overload"] >= SATURATED_OVERLOAD:
+        text += f"; the offered load is {s['overload']:.1f}x what this machine served"
     if s["suggested_time_scale"] is not None:
         text += (f"; try --time-scale {s['suggested_time_scale']:.3g} (or --time-scale auto)"
                  " so TTFT shows where the state lived rather than the queue")

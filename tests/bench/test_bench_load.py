@@ -13,11 +13,11 @@ import pytest
 from kvtier.bench.load import (
     auto_time_scale,
     nominal_span_s,
-    offered_load,
     probe_sample,
     probe_time_scale,
     rescale,
     saturation,
+    saturation_message,
     span_at,
 )
 from kvtier.bench.report import summarize_config
@@ -38,7 +38,7 @@ def trace_of(tiny: LoadedModel, sessions: int = 24) -> Any:
 def replay(tiny: LoadedModel, trace: Any, factor: float) -> dict[str, Any]:
     scaled = rescale(trace, factor)
     run = run_config(tiny, scaled, "x", KNOBS)
-    return saturation(run.records, run.engine["busy_s"], run.wall_s, offered_load(scaled),
+    return saturation(run.records, run.engine["busy_s"], run.wall_s, nominal_span_s(scaled),
                       factor)
 
 
@@ -119,16 +119,26 @@ def test_the_bimodal_flag_names_the_restore_that_makes_the_difference() -> None:
 def test_a_queue_gap_in_a_saturated_run_says_so() -> None:
     records = ([split_rec("resident", 78.0, 0.0, 2.0) for _ in range(3)]
                + [split_rec("new", 0.1, 0.0, 2.2, turn=0) for _ in range(3)])
-    # 168 tokens served in 100 s while the trace offered 4.5 tok/s: 2.7x
-    load = saturation(records, busy_s=99.0, wall_s=100.0, offered=4.536, time_scale=4.0)
+    # the run took 100 s, 2.7x the 37 s the trace lasts on an infinitely fast server
+    load = saturation(records, busy_s=99.0, wall_s=100.0, span_s=37.0, time_scale=4.0)
     s = summarize_config(records, {}, load)
     [msg] = messages(s, "bimodal")
     assert "resident and new differ by 77900 ms of queue wait" in msg, msg
     assert "the run is saturated" in msg
     [sat] = messages(s, "saturated")
-    assert sat.startswith("queue wait is 95% of TTFT and the engine was busy 99% of the run: "
+    assert sat.startswith("queue wait is 95% of TTFT and the engine was busy 99% of the run; "
                           "the offered load is 2.7x what this machine served; try "
                           "--time-scale 15.4"), sat
+
+
+def test_a_queue_under_a_light_average_load_is_put_down_to_bursts() -> None:
+    records = [split_rec("new", 3.0, 0.0, 1.0, turn=0) for _ in range(4)]
+    load = saturation(records, busy_s=60.0, wall_s=100.0, span_s=95.0, time_scale=10.0)
+    assert load["saturated"] and load["overload"] == pytest.approx(100 / 95)
+    text = saturation_message(load)
+    assert text.startswith("queue wait is 75% of TTFT although the engine was busy only 60% "
+                           "of the run: the trace's arrivals come in bursts"), text
+    assert "offered load" not in text  # 1.05x: not what explains the queue
 
 
 def test_refused_requests_are_listed_with_a_hint_to_fit_them() -> None:
