@@ -13,8 +13,10 @@ of prefills). Per turn of a session, at its arrival:
     new         the session's first turn: prefill its prompt
 
 Making room evicts the least recently used idle sessions to the host tier (a store on the
-link, queued before the restore that needed the room). A turn that finds only busy sessions
-to evict still runs: the pool overcommits rather than deadlocks. With `idle_offload_s` a
+link, queued before the restore that needed the room). A turn is admitted, first come first
+served, only when the running sessions leave room for it (idle ones can always be evicted),
+as the engine waits for device blocks; a turn too large for any room runs alone rather than
+deadlock. With `idle_offload_s` a
 session idle that long moves to the host tier (a store) even without pressure, as the
 engine's knob does. Prefill takes the planner's `prefill_s` (linear + causal attention over
 the cached prefix), at least one memory-bound forward (weights / HBM bandwidth). Decode is
@@ -38,7 +40,7 @@ Deterministic: no clocks, no randomness; ties break by the order events were mad
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +80,13 @@ class _Lru:
         if self.max_sessions is not None:
             return len(self.items) + 1 <= self.max_sessions
         return self.used + nbytes <= self.capacity
+
+    def room_beside(self, nbytes: int, busy: set[Hashable]) -> bool:
+        """Whether `nbytes` fits beside the busy sessions once every idle one is evicted."""
+        if self.max_sessions is not None:
+            return sum(k in busy for k in self.items) + 1 <= self.max_sessions
+        return sum(size for k, size in self.items.items() if k in busy) + nbytes \
+            <= self.capacity
 
     def victims(self, nbytes: int, busy: set[Hashable]) -> list[Hashable]:
         """Idle sessions to drop, least recent first, until `nbytes` fits (or none are left)."""
@@ -143,6 +152,7 @@ class _Sim:
         self.link_free = self.server_free = self.link_busy = self.compute_busy = 0.0
         self.stores = self.restores = self.idle_demotions = 0
         self.busy: set[Hashable] = set()
+        self.waiting: deque[tuple[Hashable, float]] = deque()  # turns sent, not yet admitted
         self.sessions: dict[Hashable, _Session] = {}
         self.pending: dict[Hashable, _Admitted] = {}
         self.records: list[SimRecord] = []
@@ -209,9 +219,27 @@ class _Sim:
         self.idle_demotions += 1
 
     def arrive(self, t: float, sid: Hashable) -> None:
+        """A turn is sent: it waits, first come first served, until the device has room."""
+        self.sessions[sid].next_turn += 1
+        self.waiting.append((sid, t))
+        self.admit_waiting(t)
+
+    def admit_waiting(self, t: float) -> None:
+        """Admit waiting turns in order while the running sessions leave room for the next
+        (idle sessions can always be evicted); a turn that no room could hold runs alone."""
+        while self.waiting:
+            sid, arrival = self.waiting[0]
+            s = self.sessions[sid]
+            req = s.turns[s.next_turn - 1]
+            need = (s.context + len(req.new_tokens) + req.output_tokens) * self.per_token
+            if self.busy and not self.device.room_beside(need, self.busy):
+                return
+            self.waiting.popleft()
+            self.admit(t, sid, arrival)
+
+    def admit(self, t: float, sid: Hashable, arrival: float) -> None:
         s = self.sessions[sid]
-        req = s.turns[s.next_turn]
-        s.next_turn += 1
+        req = s.turns[s.next_turn - 1]
         new, ctx = len(req.new_tokens), s.context
         held = ctx * self.per_token
         self.busy.add(sid)
@@ -231,7 +259,7 @@ class _Sim:
         self.device.put(sid, total)
         s.where = "device"
         share = self.planner.prefill_s(ctx, 0) if residency == "recomputed" else 0.0
-        self.pending[sid] = _Admitted(req, t, residency, ctx, ctx + new + req.output_tokens,
+        self.pending[sid] = _Admitted(req, arrival, residency, ctx, ctx + new + req.output_tokens,
                                       self.step_prefill_s(tokens, cached), share, t)
         if residency != "host":
             self.push(t, "ready", sid, work)
@@ -316,6 +344,7 @@ class _Sim:
         s.context = p.total_tokens
         s.last_finish = t
         self.busy.discard(sid)
+        self.admit_waiting(t)
         if self.idle_offload_s > 0:
             self.push(t + self.idle_offload_s, "idle", sid, t)
         if s.next_turn < len(s.turns):

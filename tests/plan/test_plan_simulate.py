@@ -47,9 +47,10 @@ def test_long_think_times_wake_from_host_and_back_to_back_never_does() -> None:
     assert idle.ttft["host"]["p50"] > busy.ttft["resident"]["p50"]
 
 
-def test_link_contention_raises_host_ttft() -> None:
+def test_simultaneous_wakes_raise_host_ttft() -> None:
     # 32k-token sessions (4.3 GB, ~86 ms on the link); find when each first turn ends, then
-    # wake all of them at the same instant (contended) or 10 s apart (spread)
+    # wake all of them at the same instant (contended) or 10 s apart (spread); with room for
+    # one session on the device, the contended wakes wait for it (queue) and for the link
     def sessions(think: list[float] | float, turns: int) -> list[Turn]:
         return trace(think, sessions=6, turns=turns, start_gap_s=5.0, prompt=32000)
 
@@ -61,7 +62,22 @@ def test_link_contention_raises_host_ttft() -> None:
     calm = simulate(sessions(spread, 2), MODEL, H100, device_sessions=1)
     assert contended.ttft["host"]["count"] == calm.ttft["host"]["count"] == 6
     assert contended.ttft["host"]["p99"] > 2 * calm.ttft["host"]["p99"]
-    assert max(r.link_wait_s for r in contended.records) > 0.3
+    assert max(r.link_wait_s + r.queue_s for r in contended.records) > 0.3
+    assert max(r.queue_s for r in calm.records) < 0.05
+
+
+def test_a_turn_waits_for_device_room_held_by_running_sessions() -> None:
+    # room for one session: the second session's first turn, sent while the first decodes,
+    # is admitted only when the first finishes, and that wait is its queue part
+    two = trace(0.0, sessions=2, turns=1, start_gap_s=0.001, prompt=2000)
+    sim = simulate(two, MODEL, H100, device_sessions=1)
+    first, second = sorted(sim.records, key=lambda r: r.arrival_s)
+    assert second.queue_s == pytest.approx(first.finish_s - second.arrival_s)
+    assert first.queue_s == 0.0
+    assert second.queue_s + second.tier_s + second.compute_s == pytest.approx(second.ttft_s)
+    roomy = simulate(two, MODEL, H100, device_sessions=2)
+    # what is left is the wait for the compute server (the first prefill, ~67 ms)
+    assert max(r.queue_s for r in roomy.records) < second.queue_s / 5
 
 
 def test_deterministic_and_classes_when_the_host_tier_is_too_small() -> None:
