@@ -68,7 +68,7 @@ def test_three_times_capacity_is_saturated_and_a_third_is_not(
     cold = replay(tiny, trace, auto["factor"] * 0.7 / 0.3)
     assert hot["saturated"] and not cold["saturated"], (hot, cold)
     assert hot["queue_share"] > cold["queue_share"]
-    assert hot["overload"] > 1.5 and hot["suggested_time_scale"] > auto["factor"] * 0.7 / 3.0
+    assert hot["overload"] > 1.2 and hot["suggested_time_scale"] > auto["factor"] * 0.7 / 3.0
     assert cold["utilisation"] < hot["utilisation"]
 
 

@@ -13,6 +13,7 @@ from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
+from kvtier.stats import RequestLog
 from kvtier.tier.worker.spec import Direction, TransferSpec
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -81,7 +82,12 @@ def test_the_parts_add_up_for_every_residency_class(tiny: LoadedModel, tmp_path:
     by = {o.residency: o.metrics for o in outs}
     assert by["resident"].tier_s == 0.0 and by["new"].tier_s == 0.0
     assert by["host"].tier_s > 0 and by["disk"].tier_s > 0 and by["recomputed"].tier_s > 0
-    assert by["disk"].tier_s > by["host"].tier_s  # a fetch up to host, then the restore
+    log = RequestLog()  # what LLM.stats() reports as ttft_split_s
+    log.add(outs)
+    split = log.split_by_class()
+    assert split["all"]["queue"]["count"] == len(outs)
+    assert split["host"]["tier"]["p50"] == by["host"].tier_s
+    assert split["remote"]["compute"]["count"] == 0
 
 
 def test_layerwise_wakes_add_up_too(tiny: LoadedModel) -> None:
