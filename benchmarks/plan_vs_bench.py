@@ -26,6 +26,7 @@ from common import write_result
 
 from kvtier.bench.cli import DEFAULT_BASE, DEFAULT_CONFIGS, parse_config
 from kvtier.bench.run import run_config
+from kvtier.bench.split import split_summary
 from kvtier.bench.trace import FORMATS, generate, load_trace
 from kvtier.config import EngineConfig
 from kvtier.errors import ConfigError, KvtierError
@@ -34,10 +35,10 @@ from kvtier.plan.analysis import ACTIVATION_FRACTION, HOST_USABLE_FRACTION
 from kvtier.plan.hardware import GIB, Hardware, resolve_hardware
 from kvtier.plan.models import ModelShape, shape_from_spec
 from kvtier.plan.simulate import SimResult, simulate
-from kvtier.sequence import RESIDENCY_CLASSES
+from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 from kvtier.stats import percentile
 
-PARTS = ("queue", "tier", "compute", "ttft")
+PARTS = (*SPLIT_PARTS, "ttft")
 KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 Stats = dict[str, dict[str, Any]]  # class -> {"count": n, part: {"p50", "p90"}}
 
@@ -110,16 +111,17 @@ def sim_machine(measured: Hardware, config: EngineConfig, model: ModelShape,
 
 
 def bench_stats(records: list[dict[str, Any]]) -> Stats:
-    """Per class: count and p50/p90 of each part; a part no record carries yet is None."""
+    """Per class: count, the report's own queue / tier / compute p50 and p90 (None where no
+    record carries a split), and TTFT's."""
+    split = split_summary(records, RESIDENCY_CLASSES)
     out: Stats = {}
-    for cls in ("all", *RESIDENCY_CLASSES):
+    for cls, entry in split.items():
         chosen = [r for r in records if cls in ("all", r.get("residency"))]
         if not chosen:
             continue
-        out[cls] = {"count": len(chosen)}
-        for part in PARTS:
-            values = [r[f"{part}_s"] for r in chosen if r.get(f"{part}_s") is not None]
-            out[cls][part] = {"p50": percentile(values, 50), "p90": percentile(values, 90)}
+        ttft = [r["ttft_s"] for r in chosen if r.get("ttft_s") is not None]
+        out[cls] = {"count": len(chosen), **{part: entry[part] for part in SPLIT_PARTS},
+                    "ttft": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90)}}
     return out
 
 

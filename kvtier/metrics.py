@@ -111,8 +111,7 @@ class Metrics:
         m = out.metrics
         if m.ttft_s is not None:
             self.ttft.labels(residency=residency).observe(m.ttft_s)
-            for part in SPLIT_PARTS:
-                value = getattr(m, f"{part}_s")
+            for part, value in m.parts().items():
                 if value is not None:
                     self.ttft_part.labels(part=part, residency=residency).observe(value)
         if m.decode_s is not None and len(out.token_ids) > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.sequence import Phase, Sequence
+from kvtier.sequence import SPLIT_PARTS, Phase, Sequence
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,10 @@ class RequestMetrics:
     restore_s: float = 0.0  # wall time of this request's host -> device loads
     tier_s: float | None = None
     compute_s: float | None = None
+
+    def parts(self) -> dict[str, float | None]:
+        """The TTFT split by part name (SPLIT_PARTS: queue, tier, compute)."""
+        return dict(zip(SPLIT_PARTS, (self.queue_s, self.tier_s, self.compute_s), strict=True))
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,9 @@ class RequestLog:
         """Per residency class (and "all"): queue, tier and compute parts of the TTFT."""
         out = {}
         for cls in ("all", *RESIDENCY_CLASSES):
-            chosen = [o.metrics for o in self.outputs if o.metrics.ttft_s is not None
+            chosen = [o.metrics.parts() for o in self.outputs if o.metrics.ttft_s is not None
                       and cls in ("all", o.residency)]
-            out[cls] = {part: summarize([getattr(m, f"{part}_s") for m in chosen
-                                         if getattr(m, f"{part}_s") is not None])
+            out[cls] = {part: summarize([p[part] for p in chosen if p[part] is not None])
                         for part in SPLIT_PARTS}
         return out
 

@@ -93,7 +93,13 @@ def _pair(text: str, kind: type, flag: str) -> tuple[Any, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     from kvtier.bench import report
     from kvtier.bench.html_report import write_html
-    from kvtier.bench.load import nominal_span_s, offered_load, rescale, saturation
+    from kvtier.bench.load import (
+        nominal_span_s,
+        offered_load,
+        probe_time_scale,
+        rescale,
+        saturation,
+    )
     from kvtier.bench.run import run_config
     from kvtier.bench.trace import generate, load_trace
     from kvtier.model.loader import load_model
@@ -130,8 +136,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
     auto = None
     if time_scale is None:  # --time-scale auto
-        from kvtier.bench.load import probe_time_scale
-
         knobs = {**base, **next(iter(configs.values()))}
         auto = probe_time_scale(trace, lambda t: replay(t, "probe", knobs),
                                 args.target_utilisation,

@@ -2,9 +2,10 @@
 
 A replay whose offered load exceeds the machine's capacity measures its queue, not where the
 state lived. `offered_load(trace)` is the work the trace asks for per second of its own
-timeline; `saturation(...)` compares it with what a run achieved and with the engine's busy
-time; `auto_time_scale(...)` stretches a trace so that a replay runs at a target utilisation,
-from a probe that measures the engine's busy seconds on a sample of the trace.
+timeline; `saturation(...)` compares that (for the requests served) with what a run
+achieved and with the engine's busy time; `auto_time_scale(...)` stretches a trace so that
+a replay runs at a target utilisation, from a probe that measures the engine's busy seconds
+on a sample of the trace.
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ SATURATED_OVERLOAD = 1.2
 BURSTY_BUSY = 0.8  # a queue while the engine idles this much of the run: bursty arrivals
 
 
+def span_at(trace: Trace, scale: float, service_s: float) -> float:
+    """How long a replay at `scale` lasts when each turn takes `service_s` to serve: the
+    longest session's start and think times (a later turn is sent a think time after the
+    previous one finished) stretched, plus its turns' service."""
+    return max((scale * (reqs[0].arrival_s + sum(r.arrival_s for r in reqs[1:]))
+                + len(reqs) * service_s for reqs in trace.sessions().values()), default=0.0)
+
+
 def nominal_span_s(trace: Trace) -> float:
-    """How long the trace lasts on an infinitely fast server: each session's start plus its
-    think times (a later turn is sent a think time after the previous one finished)."""
-    return max((reqs[0].arrival_s + sum(r.arrival_s for r in reqs[1:])
-                for reqs in trace.sessions().values()), default=0.0)
+    """How long the trace lasts on an infinitely fast server."""
+    return span_at(trace, 1.0, 0.0)
 
 
 def trace_tokens(trace: Trace) -> int:
@@ -76,13 +83,6 @@ def check_auto(trace: Trace, target: float) -> None:
     if nominal_span_s(trace) <= 0:
         raise TraceError("--time-scale auto: every request of this trace arrives at t=0, so "
                          "no time scale changes its load; give a numeric --time-scale")
-
-
-def span_at(trace: Trace, scale: float, service_s: float) -> float:
-    """How long a replay at `scale` lasts when each turn takes `service_s` to serve: the
-    longest session's start and think times stretched, plus its turns' service."""
-    return max((scale * (reqs[0].arrival_s + sum(r.arrival_s for r in reqs[1:]))
-                + len(reqs) * service_s for reqs in trace.sessions().values()), default=0.0)
 
 
 def auto_time_scale(trace: Trace, probe_busy_s: float, probe: Trace,

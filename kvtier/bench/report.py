@@ -51,8 +51,9 @@ def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any],
     """One configuration's report: latencies from `records`, tier counters from `engine`,
     `load` from `load.saturation`, `refused` the requests the server turned away."""
     n = len(records)
+    classes = classes_of(records)
     ttft = {"all": summarize([r["ttft_s"] for r in records if r["ttft_s"] is not None])}
-    for cls in classes_of(records):
+    for cls in classes:
         ttft[cls] = summarize([r["ttft_s"] for r in records
                                if r["residency"] == cls and r["ttft_s"] is not None])
     itl = summarize([r["itl_s"] for r in records if r["itl_s"] is not None])
@@ -68,7 +69,7 @@ def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any],
         "ttft_s": ttft,
         "itl_s": {"count": itl["count"], "p50": itl["p50"], "p99": itl["p99"]},
         "residency_counts": {cls: sum(r["residency"] == cls for r in records)
-                             for cls in classes_of(records)},
+                             for cls in classes},
         "context_tokens": sum(r["context_tokens"] for r in records),
         "output_tokens": output_tokens,
         "restored_tokens": sum(r["restored_tokens"] for r in records),
@@ -81,7 +82,7 @@ def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any],
         "duration_s": duration,
         "output_tokens_per_s": output_tokens / duration if duration > 0 else None,
         **_engine_part(engine),
-        "split_s": split_summary(records, classes_of(records)),
+        "split_s": split_summary(records, classes),
         "saturation": load,
         "refused": refused_summary(refused, engine.get("max_model_len"), scale_length),
     }

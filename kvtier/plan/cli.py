@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.bench.trace import FORMATS
 from kvtier.errors import ConfigError
 from kvtier.plan.analysis import (
     ACTIVATION_FRACTION,
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from kvtier.plan.simulate import SimResult
 
 DEFAULT_CONTEXTS = "1024,8192,32768,131072"
-TRACE_FORMATS = ("auto", "jsonl", "mooncake")  # kvtier.bench.trace.FORMATS
 # trace flag -> its default: set without --trace, it would do nothing
 _TRACE_DEFAULTS = {"--format": "auto", "--scale-length": 1.0, "--time-scale": 1.0,
                    "--limit": None, "--device-sessions": None, "--idle-offload-s": 0.0}
@@ -77,7 +77,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     """The simulation's flags; the loader's ones mean what they mean to `kvtier bench`."""
     sim = p.add_argument_group("simulate a trace")
     sim.add_argument("--trace", default=None, help="kvtier JSONL or Mooncake trace")
-    sim.add_argument("--format", default="auto", choices=TRACE_FORMATS)
+    sim.add_argument("--format", default="auto", choices=FORMATS)
     sim.add_argument("--scale-length", type=float, default=1.0,
                      help="Mooncake: shrink lengths (and the 512-token hash block) by F")
     sim.add_argument("--time-scale", type=float, default=1.0,
@@ -148,13 +148,9 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
 
 def _load_trace(args: argparse.Namespace, model: ModelShape) -> list[Any]:
     """`kvtier bench`'s loader call with bench's flags; its TraceError names a bad value."""
-    path = args.trace
-    try:
-        from kvtier.bench.trace import load_trace
-    except ImportError as e:
-        raise ConfigError(f"--trace {path!r} needs kvtier.bench.trace, which this install "
-                          "lacks; update kvtier or drop --trace") from e
-    trace = load_trace(path, model.vocab_size, getattr(args, "format", "auto"),
+    from kvtier.bench.trace import load_trace  # looked up per call (tests stand in for it)
+
+    trace = load_trace(args.trace, model.vocab_size, getattr(args, "format", "auto"),
                        scale_length=getattr(args, "scale_length", 1.0),
                        time_scale=getattr(args, "time_scale", 1.0),
                        limit=getattr(args, "limit", None))

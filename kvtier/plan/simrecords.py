@@ -11,10 +11,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from kvtier.sequence import RESIDENCY_CLASSES
+from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 from kvtier.stats import percentile
-
-PARTS = ("queue", "tier", "compute")  # the TTFT split, in the order time is spent
 
 
 class TurnRequest(Protocol):
@@ -94,7 +92,7 @@ def split_table(records: Sequence[SimRecord]) -> Split:
     for cls in ("all", *RESIDENCY_CLASSES):
         chosen = [r for r in records if _in_class(cls, r)]
         table[cls] = {}
-        for part in PARTS:
+        for part in SPLIT_PARTS:
             values = [getattr(r, f"{part}_s") for r in chosen]
             table[cls][part] = {"p50": percentile(values, 50), "p90": percentile(values, 90)}
     return table

@@ -229,13 +229,17 @@ class _Sim:
         (idle sessions can always be evicted); a turn that no room could hold runs alone."""
         while self.waiting:
             sid, arrival = self.waiting[0]
-            s = self.sessions[sid]
-            req = s.turns[s.next_turn - 1]
-            need = (s.context + len(req.new_tokens) + req.output_tokens) * self.per_token
+            need = self.tokens_after_turn(sid) * self.per_token
             if self.busy and not self.device.room_beside(need, self.busy):
                 return
             self.waiting.popleft()
             self.admit(t, sid, arrival)
+
+    def tokens_after_turn(self, sid: Hashable) -> int:
+        """The session's context once its current turn's output is done."""
+        s = self.sessions[sid]
+        req = s.turns[s.next_turn - 1]
+        return s.context + len(req.new_tokens) + req.output_tokens
 
     def admit(self, t: float, sid: Hashable, arrival: float) -> None:
         s = self.sessions[sid]
@@ -254,12 +258,13 @@ class _Sim:
                 self.host.pop(sid)
             residency, tokens, cached = ("recomputed" if ctx else "new"), ctx + new, 0
         work = self.compute_s(tokens, cached)
-        total = (ctx + new + req.output_tokens) * self.per_token
+        after = self.tokens_after_turn(sid)
+        total = after * self.per_token
         self.make_room(t, total)
         self.device.put(sid, total)
         s.where = "device"
         share = self.planner.prefill_s(ctx, 0) if residency == "recomputed" else 0.0
-        self.pending[sid] = _Admitted(req, arrival, residency, ctx, ctx + new + req.output_tokens,
+        self.pending[sid] = _Admitted(req, arrival, residency, ctx, after,
                                       self.step_prefill_s(tokens, cached), share, t)
         if residency != "host":
             self.push(t, "ready", sid, work)

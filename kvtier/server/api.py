@@ -368,5 +368,4 @@ def ttft_split_ms(out: RequestOutput) -> dict[str, float | None]:
     """The engine's TTFT and its queue / tier / compute parts, in ms (None: no first token)."""
     m = out.metrics
     return {f"{name}_ms": None if value is None else round(value * 1e3, 3)
-            for name, value in (("ttft", m.ttft_s), ("queue", m.queue_s), ("tier", m.tier_s),
-                                ("compute", m.compute_s))}
+            for name, value in {"ttft": m.ttft_s, **m.parts()}.items()}
