@@ -12,9 +12,50 @@ that waits, `StoreDone` for whoever owns the device blocks (free or uncache them
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvtier.tier.keys import BlockKey, Medium
+
+
+class Reason(str, enum.Enum):
+    """Why a block below host was not written or not served: a bounded set, so every value
+    can be a metric label. The block's own bytes (FINGERPRINT ... FIELD: dropped from its
+    tier), the medium (MISSING ... CLOSED: kept), or SKIPPED (not read after an earlier
+    block of the same prefix failed: not its fault)."""
+
+    OK = ""
+    SKIPPED = "skipped"
+    FINGERPRINT = "fingerprint"  # another model, layout or tenant wrote it
+    KEY = "key"
+    TOKENS = "tokens"
+    SIZE = "size"
+    CHECKSUM = "checksum"  # payload bytes changed
+    MAC = "mac"  # no valid MAC under this deployment's secret: forged, or another secret's
+    MAGIC = "magic"  # CorruptBlock's reasons: the header itself is unusable
+    VERSION = "version"
+    TRUNCATED = "truncated"
+    HEADER_CHECKSUM = "header-checksum"
+    FIELD = "field"
+    MISSING = "missing"  # expired, evicted or deleted since the lookup
+    UNAVAILABLE = "unavailable"  # the store did not answer (down, breaker open)
+    IO = "io"  # the medium failed (an OSError); its text is logged, never a label
+    NO_SPACE = "no-space"  # ENOSPC / EDQUOT: the medium is full
+    ERROR = "error"  # an unexpected exception on the I/O thread (logged)
+    CLOSED = "closed"  # the tier shut down before the job ran
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def bad_block(self) -> bool:
+        """The block's bytes are wrong (drop it where it lives), not the medium."""
+        return self in _BAD_BLOCK
+
+
+_BAD_BLOCK = frozenset({Reason.FINGERPRINT, Reason.KEY, Reason.TOKENS, Reason.SIZE,
+                        Reason.CHECKSUM, Reason.MAC, Reason.MAGIC, Reason.VERSION,
+                        Reason.TRUNCATED, Reason.HEADER_CHECKSUM, Reason.FIELD})
 
 
 @dataclass(frozen=True)
@@ -70,7 +111,7 @@ class Result:
                    finished_at)
 
 
-SKIPPED = "skipped"  # the reason for a block after a failed one in the same job: not its fault
+SKIPPED = Reason.SKIPPED  # a block after a failed one in the same job: not its fault
 
 
 @dataclass(frozen=True)

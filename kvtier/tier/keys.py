@@ -24,6 +24,9 @@ class Medium(str, enum.Enum):
     DISK = "disk"
     REMOTE = "remote"
 
+    def __str__(self) -> str:  # "remote" in messages, not "Medium.REMOTE"
+        return self.value
+
 
 def hash_block(parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
     """h_i = H(h_{i-1}, tokens_i): equal keys mean equal namespace and equal whole prefix."""
