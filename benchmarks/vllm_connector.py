@@ -36,8 +36,10 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DRIVER = ROOT / "scripts" / "vllm_driver.py"
 KV_BYTES_PER_BLOCK = 30 * 3 * 128 * 2 * 64 * 4  # SmolLM2-135M, float32, 128-token blocks
 SESSION, FOLLOW_UP = 2048, 16
-HOST = {"kv_offloading_size": 1.0}
-SMALL_HOST = {"kv_offloading_size": 0.25}  # 45 blocks: less than a session and its evictors
+# Residency details (opt-in) say where each woken prefix lived.
+HOST = {"kv_offloading_size": 1.0, "enable_residency_details": True}
+SMALL_HOST = {"kv_offloading_size": 0.25,  # 45 blocks: less than a session and its evictors
+              "enable_residency_details": True}
 MARK = "KVTIER_RESULT "  # the driver's result line (vLLM logs to stdout as well)
 
 

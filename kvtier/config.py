@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier import TierConfig
+from kvtier.tier import TierConfig, check_bounds, check_types
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -23,12 +23,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:
+        check_types(self)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size={self.block_size} must be a power of two in 1..256")
         if self.num_device_blocks is not None and self.num_device_blocks < 1:
             raise ConfigError(f"num_device_blocks={self.num_device_blocks} must be >= 1")
         if self.num_device_blocks is None and not self.kv_cache_size > 0:
             raise ConfigError(f"kv_cache_size={self.kv_cache_size} GiB must be > 0")
+        check_bounds(self, {"kv_cache_size": (0.0, 2.0**20), "num_device_blocks": (1, 2**31)})
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,15 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the device pool
 
     def validate(self) -> None:
+        check_types(self)
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
+        check_bounds(self, {"max_num_seqs": (1, 2**20), "max_num_batched_tokens": (1, 2**31),
+                            "max_model_len": (2, 2**31)})
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class EngineConfig:
     offload: TierConfig = field(default_factory=TierConfig)
 
     def validate(self) -> None:
+        check_types(self)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:

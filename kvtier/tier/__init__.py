@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.tier.config import SAFE_RAM_SHARE, TierConfig, host_slot_count
 from kvtier.tier.fingerprint import Fingerprint
-from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
+from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
+from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import NO_MATCH, Match, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
@@ -48,6 +49,7 @@ __all__ = [
     "Match",
     "Medium",
     "Planner",
+    "Reason",
     "Result",
     "SchedulerTier",
     "StoreDone",
@@ -58,6 +60,8 @@ __all__ = [
     "build",
     "build_scheduler_side",
     "build_worker_side",
+    "check_bounds",
+    "check_types",
     "hash_blocks",
     "host_slot_count",
     "is_swap_key",

@@ -59,8 +59,11 @@ class BelowHost:
         self.held: dict[str, list[BlockKey]] = {}  # request -> fetched keys pinned on host
         self._outbox: list[Job] = []
         self._ids = ids
-        self._logged: set[str] = set()
+        self._logged: set[tuple[bool, str]] = set()
         self.stats = BelowStats()
+        if disk is not None:  # found on disk at start and refused: misses, by reason
+            for reason, n in disk.unusable_at_start.items():
+                self.stats.misses[f"{DISK.value}:{reason}"] += n
 
     def take_jobs(self) -> list[Job]:
         jobs, self._outbox = self._outbox, []
@@ -178,9 +181,9 @@ class BelowHost:
         bad = [k for k, ok in zip(t.keys, outcome.ok) if not ok]
         writing = t.src is Medium.HOST
         for tier, reason in zip(t.media, outcome.reasons):
-            if reason:
-                self._miss(tier, reason, writing)
-        if writing:
+            if reason and reason != SKIPPED:
+                self._failed(tier, str(reason), writing)
+        if writing:  # a failed write is a write failure, never also a miss
             self.host.release(t.keys)
             tier = t.dst
             if tier == DISK:
@@ -228,14 +231,18 @@ class BelowHost:
         assert pending.request_id is not None
         return FetchDone(pending.request_id, n, source, missed=len(t.keys) - n)
 
-    def _miss(self, tier: Medium, reason: str, writing: bool) -> None:
-        if reason == SKIPPED:
-            return
+    def _failed(self, tier: Medium, reason: str, writing: bool) -> None:
+        """A block not written (counted in `written`'s failures by the caller) or not
+        served (a miss, here), logged once per tier, direction and reason."""
         label = f"{tier.value}:{reason}"
-        self.stats.misses[label] += 1
-        if label not in self._logged:
-            self._logged.add(label)
-            what = "writing a block to" if writing else "a block fetched from"
-            log.warning("kvtier: %s the %s tier failed (%s); it is a miss, never served, and "
-                        "its tokens are recomputed (logged once per tier and reason)",
-                        what, tier, reason)
+        if not writing:
+            self.stats.misses[label] += 1
+        if (writing, label) not in self._logged:
+            self._logged.add((writing, label))
+            if writing:
+                log.warning("kvtier: writing a block to the %s tier failed (%s); it is not "
+                            "stored there (logged once per tier and reason)", tier, reason)
+            else:
+                log.warning("kvtier: a block fetched from the %s tier failed (%s); it is a "
+                            "miss, never served, and its tokens are recomputed (logged once "
+                            "per tier and reason)", tier, reason)

@@ -87,3 +87,20 @@ def test_vllm_taking_less_than_offered_loads_nothing() -> None:
     assert s.matched_tokens("b", prompt, "", 0) == 12
     assert s.allocated("b", [5, 6, 7, 8], 4) is None
     assert s.manager.host.stats.pinned == 0
+
+
+def test_a_lookup_is_counted_once_however_often_vllm_asks_again() -> None:
+    s = side()
+    prompt = list(range(10, 24))  # 14 tokens: 3 full blocks
+    serve(s, "a", prompt)
+    s.take_stats()
+    # "b" waits for device room: vLLM asks again every step until it can allocate
+    for _ in range(5):
+        assert s.matched_tokens("b", prompt, "", 0) == 12
+    s.allocated("b", [5, 6, 7, 8], 12)
+    for _ in range(3):  # preempted and rescheduled: asked again, allocated again
+        s.matched_tokens("b", prompt, "", 0)
+        s.allocated("b", [5, 6, 7, 8], 0)
+    stats = s.take_stats()
+    assert stats["lookup_tokens"] == 12  # the 3 full blocks, once
+    assert stats.get("declined_tokens", 0) == 0

@@ -1,16 +1,66 @@
 """The connector's extra-config, checked before vLLM runs anything (no vLLM needed here)."""
 
+import dataclasses
+import json
+import typing
+from typing import Any
+
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.settings import check_vllm_version, tier_config
+from kvtier.integrations.vllm.settings import ConnectorSettings, check_vllm_version, settings
+from kvtier.tier import TierConfig
+
+
+def tier_config(extra: dict[str, Any]) -> TierConfig:
+    return settings(extra)[0]
 
 
 def test_kvtier_knob_names_pass_through() -> None:
-    config = tier_config({"kv_offloading_size": 4, "eviction_policy": "arc",
-                          "max_load_tokens": 4096, "preemption_mode": "auto"})
+    config, own = settings({"kv_offloading_size": 4, "eviction_policy": "arc",
+                            "max_load_tokens": 4096, "preemption_mode": "auto",
+                            "model_identity": "registry/llama@7", })
     assert config.kv_offloading_size == 4 and config.eviction_policy == "arc"
     assert config.max_load_tokens == 4096
+    assert own == ConnectorSettings(model_identity="registry/llama@7")
+    assert not own.enable_residency_details  # opt-in, as vLLM's prompt token details
+
+
+def _numeric_knobs() -> list[str]:
+    hints = typing.get_type_hints(TierConfig)
+    return [f.name for f in dataclasses.fields(TierConfig)
+            if set(typing.get_args(hints[f.name]) or (hints[f.name],)) & {int, float}]
+
+
+# What JSON can carry into kv_connector_extra_config: json.loads parses Infinity and NaN.
+HOSTILE = json.loads('[Infinity, -Infinity, NaN, 1e300, -1e300, -1, "1", true, [1], {"a": 1}]')
+
+
+@pytest.mark.parametrize("knob", _numeric_knobs())
+@pytest.mark.parametrize("value", HOSTILE, ids=repr)
+def test_every_numeric_knob_refuses_hostile_values_by_name(knob: str, value: Any) -> None:
+    extra = {"kv_offloading_size": 1, "disk_kv_path": "/tmp/kvtier-never-created",
+             "disk_kv_size": 1, "remote_kv_url": "redis://127.0.0.1:1/0", knob: value}
+    with pytest.raises(ConfigError) as e:
+        settings(extra)
+    assert f"{knob}=" in str(e.value), str(e.value)
+    assert "kv_connector_extra_config" in str(e.value)
+
+
+def test_numeric_knobs_are_found() -> None:
+    assert {"kv_offloading_size", "disk_kv_size", "max_load_tokens", "blocks_per_chunk",
+            "remote_kv_ttl_s", "disk_kv_read_gbps"} <= set(_numeric_knobs())
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"model_identity": ""}, "model_identity='' names nothing"),
+    ({"model_identity": 7}, "model_identity=7 is a int; it must be a string or null"),
+    ({"enable_residency_details": "yes"}, "must be true or false"),
+])
+def test_connector_knobs_are_checked_too(extra: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        settings({"kv_offloading_size": 1, **extra})
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -30,10 +30,10 @@ class Half:
     """One vLLM process pair: a scheduler side and a worker side over its own KV memory."""
 
     def __init__(self, config: TierConfig, dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> None:
+                 seed: int = 0, weights: str = "weights") -> None:
         torch.manual_seed(seed)
         self.kv = torch.randn(LAYERS, BLOCKS, *SHAPE).to(dtype)  # one storage, as vLLM CPU
-        fp = Fingerprint("weights", "arch", str(dtype), BS, "")
+        fp = Fingerprint(weights, "arch", str(dtype), BS, "")
         expected = ExpectedLayout(LAYERS, BLOCKS, SHAPE, dtype,
                                   host_slot_count(config.kv_offloading_size, nbytes(dtype)))
         # vLLM builds the worker first (register_kv_caches), then the scheduler
@@ -189,3 +189,16 @@ def test_the_disk_file_is_left_whole_when_the_worker_closes_with_writes_queued(
     a.close()
     assert sorted(blocks_on_disk(config, nbytes(torch.float32), BS)) == sorted(
         tuple(PROMPT[i:i + 4]) for i in (0, 4, 8))
+
+
+def test_blocks_of_another_fingerprint_on_disk_are_counted_at_start(tmp_path: Path) -> None:
+    """The weights changed between two processes (another namespace): the new one serves none
+    of the old blocks, and says how many it refused and why before anything is asked."""
+    config = disk(tmp_path)
+    first_run(config)
+    b = Half(config, seed=1, weights="other weights")
+    assert b.matched("b", PROMPT) == 0
+    b.step()
+    assert b.stats["miss_blocks|disk|fingerprint"] == 3
+    assert "fetched_blocks|disk" not in b.stats
+    b.close()

@@ -39,6 +39,8 @@ def vllm_or_skip() -> Path:
 def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str] | None = None,
              check: bool = True) -> subprocess.CompletedProcess[str]:
     spec = {"kv_bytes_per_block": KV_BYTES_PER_BLOCK, **spec}
+    if spec.get("connector") is not None:  # the tests read where each prefix lived
+        spec["connector"] = with_residency(spec["connector"])
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:  # prompts outgrow argv
         json.dump(spec, f)
         f.flush()
@@ -49,6 +51,12 @@ def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str
         sys.stderr.write(proc.stderr[-6000:])
         raise AssertionError(f"vLLM driver exited {proc.returncode}")
     return proc
+
+
+def with_residency(connector: dict[str, Any]) -> dict[str, Any]:
+    """The connector's extra config telling each response where its prefix lived (opt-in),
+    unless the caller said otherwise."""
+    return {"enable_residency_details": True, **connector}
 
 
 def prompts(n_evictors: int = 4, seed: int = 0) -> list[list[int]]:
@@ -100,7 +108,8 @@ class VllmServer:
             self.args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KvtierConnector",
                 "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector})]
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": with_residency(connector)})]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmServer:

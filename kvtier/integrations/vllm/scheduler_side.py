@@ -60,6 +60,8 @@ class _Request:
     load_failed: bool = False
     fetching: bool = False  # a fetch from disk or Redis into host slots is on its way
     residency: str = "none"  # where the restored state lived: host, disk or remote
+    looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
+    counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
 
 
 class SchedulerSide:
@@ -73,7 +75,7 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self._counts: Counter[str] = Counter()  # since the last take_stats
         self._restoring: dict[int, int] = {}  # load job -> tokens it restores
-        self._reported = self._totals()
+        self._reported: dict[str, float] = {}  # what the tier knew at start is news too
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
                        num_computed: int) -> int | None:
@@ -85,7 +87,7 @@ class SchedulerSide:
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
         if last <= d:
-            st.match, st.local_blocks = NO_MATCH, d
+            st.match, st.local_blocks, st.looked_up = NO_MATCH, d, 0
             return 0
         keys = self._keys(st, last)
         chunks = [tokens[i * bs:(i + 1) * bs] for i in range(d, last)]
@@ -97,9 +99,7 @@ class SchedulerSide:
             match = self.manager.match(request_id, keys[d:last], chunks)  # host room ran out
         if match is None:
             return None
-        st.match, st.local_blocks = match, d
-        self._counts["lookup_tokens"] += (last - d) * bs
-        self._counts["declined_tokens"] += match.declined_tokens
+        st.match, st.local_blocks, st.looked_up = match, d, (last - d) * bs
         return match.restored_tokens if match.load_keys else 0
 
     def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> int | None:
@@ -107,6 +107,10 @@ class SchedulerSide:
         st = self.requests.get(request_id)
         if st is None:
             return None
+        if not st.counted:  # the lookup vLLM acted on: retries while it waited do not count
+            st.counted = True
+            self._counts["lookup_tokens"] += st.looked_up
+            self._counts["declined_tokens"] += st.match.declined_tokens
         match = st.match if external else NO_MATCH
         n = len(match.load_keys)
         d = st.local_blocks

@@ -6,8 +6,8 @@ A new process rebuilds this index from the headers a previous process left on di
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.tier.index.slots import SlotTier, _Entry
 from kvtier.tier.keys import BlockKey, Medium
@@ -18,6 +18,13 @@ class DiskTier(SlotTier):
 
     medium = Medium.DISK
     size_knob = "disk_kv_size"
+
+    def __init__(self, num_slots: int, policy: str = "lru",
+                 unusable_at_start: Mapping[str, int] | None = None) -> None:
+        """`unusable_at_start`: blocks the file held that this process cannot serve, by
+        reason (another fingerprint, a header that does not decode): counted as misses."""
+        super().__init__(num_slots, policy)
+        self.unusable_at_start: Counter[str] = Counter(unusable_at_start or {})
 
     def adopt(self, found: Iterable[tuple[int, BlockKey, Sequence[int]]]) -> list[int]:
         """Register the complete blocks found on disk at start, oldest first for the policy.

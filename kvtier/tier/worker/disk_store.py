@@ -18,6 +18,7 @@ import fcntl
 import os
 import shutil
 import struct
+from collections import Counter
 from pathlib import Path
 from types import TracebackType
 
@@ -42,6 +43,7 @@ STORE_VERSION = 1  # bump when the slot file layout changes
 _FILE_MAGIC = b"KVTSLOTS"
 _FILE_HEADER = struct.Struct("<8sHHQQQQ")  # magic, store/format version, geometry
 _CHECKSUM = struct.Struct("<Q")
+_EMPTY = bytes(len(MAGIC))  # the magic of a slot never written, or invalidated
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -53,7 +55,9 @@ class DiskStore:
     """`num_slots` slots of `payload_nbytes` (+ a `header_nbytes` header) in one file."""
 
     def __init__(self, directory: str | Path, num_slots: int, payload_nbytes: int,
-                 header_nbytes: int) -> None:
+                 header_nbytes: int, reserve_nbytes: int = 0) -> None:
+        """`reserve_nbytes`: what else kvtier writes beside the file (a calibration scratch),
+        counted against the filesystem's free space before the file is allocated."""
         self._fd = self._dir_fd = -1  # set first: close() runs even if __init__ fails
         for name, value in (("num_slots", num_slots), ("payload_nbytes", payload_nbytes),
                             ("header_nbytes", header_nbytes)):
@@ -67,6 +71,7 @@ class DiskStore:
         self.header_area = round_up(header_nbytes)
         self.slot_nbytes = self.header_area + round_up(payload_nbytes)
         self.file_nbytes = FILE_HEADER_NBYTES + num_slots * self.slot_nbytes
+        self.reserve_nbytes = reserve_nbytes
         self._dir_fd = _open_locked_dir(self.directory)
         try:
             self._fd = self._open_or_create()
@@ -131,26 +136,32 @@ class DiskStore:
         """Reserve file_nbytes on disk now; ConfigError if the filesystem cannot hold them."""
         have = os.fstat(fd).st_blocks * 512
         free = shutil.disk_usage(self.directory).free
-        if self.file_nbytes - have > free:
-            raise self._too_large(path, free)
+        if self.file_nbytes - have + self.reserve_nbytes > free:
+            raise self._too_large(path, free + have)
         try:
             if not hasattr(os, "posix_fallocate"):  # macOS
                 raise OSError(errno.ENOTSUP, "posix_fallocate is not available")
             os.posix_fallocate(fd, 0, self.file_nbytes)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG):
-                raise self._too_large(path, shutil.disk_usage(self.directory).free) from e
+                raise self._too_large(path, shutil.disk_usage(self.directory).free + have) from e
             if e.errno not in _NO_FALLOCATE:
                 raise
             # This filesystem cannot reserve blocks: the file is sparse, and running out of
             # space later surfaces as OSError(ENOSPC) from write, which the caller misses on.
             os.ftruncate(fd, self.file_nbytes)
 
-    def _too_large(self, path: Path, free: int) -> ConfigError:
+    def _too_large(self, path: Path, usable: int) -> ConfigError:
+        """`usable`: free bytes plus what the file already holds there."""
+        need = self.file_nbytes + self.reserve_nbytes
+        slots = max(usable - self.reserve_nbytes - FILE_HEADER_NBYTES, 0) // self.slot_nbytes
+        fits = (f"disk_kv_size={slots * self.slot_nbytes / 2**30 - 0.0005:.3f} GiB fits there"
+                if slots else "not one block fits there")
         return ConfigError(
-            f"the disk tier needs {self.file_nbytes} bytes ({self.file_nbytes / 2**30:.2f} GiB)"
-            f" at {path}, but that filesystem has {free} bytes ({free / 2**30:.2f} GiB) free;"
-            f" lower disk_kv_size or choose another disk_kv_path")
+            f"the disk tier needs {need} bytes ({need / 2**30:.3f} GiB: its file and "
+            f"{self.reserve_nbytes} bytes of calibration scratch) at {path}, but that "
+            f"filesystem has {usable} bytes ({usable / 2**30:.3f} GiB) free for it; {fits}: "
+            f"lower disk_kv_size or choose another disk_kv_path")
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -201,12 +212,13 @@ class DiskStore:
         """Zero the slot's header magic: neither `read` nor a later `scan` finds it."""
         _pwrite_all(self._fd, bytes(len(MAGIC)), self._offset(slot))
 
-    def scan(self) -> list[tuple[int, BlockHeader]]:
-        """(slot, header) of every slot whose header decodes, in slot order; the rest skipped."""
+    def scan(self, unusable: Counter[str] | None = None) -> list[tuple[int, BlockHeader]]:
+        """(slot, header) of every slot whose header decodes, in slot order; the rest are
+        skipped, and counted by CorruptBlock reason into `unusable` (empty slots are not)."""
         if self._fd < 0:
             raise ValueError(f"the disk store at {self.path} is closed")
         return _scan(self._fd, self.num_slots, self.slot_nbytes, self.payload_nbytes,
-                     self.header_nbytes)
+                     self.header_nbytes, unusable)
 
     def flush(self) -> None:
         """Make every completed write durable (fsync)."""
@@ -234,7 +246,8 @@ class DiskStore:
 
 
 def read_headers(directory: str | Path, num_slots: int, payload_nbytes: int,
-                 header_nbytes: int) -> list[tuple[int, BlockHeader]]:
+                 header_nbytes: int, unusable: Counter[str] | None = None
+                 ) -> list[tuple[int, BlockHeader]]:
     """`DiskStore.scan` of the file a store of this geometry keeps in `directory`, read only
     and without its lock: for a process that keeps the index while another owns the bytes
     (vLLM's scheduler beside its worker). No file, or another geometry: nothing."""
@@ -250,7 +263,7 @@ def read_headers(directory: str | Path, num_slots: int, payload_nbytes: int,
         expected = _file_header(slot_nbytes, num_slots, payload_nbytes, header_nbytes)
         if os.pread(fd, len(expected), 0) != expected:
             return []  # the owner replaces it with an empty file of this geometry
-        return _scan(fd, num_slots, slot_nbytes, payload_nbytes, header_nbytes)
+        return _scan(fd, num_slots, slot_nbytes, payload_nbytes, header_nbytes, unusable)
     finally:
         os.close(fd)
 
@@ -263,16 +276,20 @@ def _file_header(slot_nbytes: int, num_slots: int, payload_nbytes: int,
 
 
 def _scan(fd: int, num_slots: int, slot_nbytes: int, payload_nbytes: int,
-          header_nbytes: int) -> list[tuple[int, BlockHeader]]:
+          header_nbytes: int, unusable: Counter[str] | None) -> list[tuple[int, BlockHeader]]:
     found = []
     for slot in range(num_slots):
+        raw = os.pread(fd, header_nbytes, FILE_HEADER_NBYTES + slot * slot_nbytes)
         try:
-            header = decode_header(os.pread(fd, header_nbytes,
-                                            FILE_HEADER_NBYTES + slot * slot_nbytes))
-        except CorruptBlock:
+            header = decode_header(raw)
+        except CorruptBlock as e:
+            if unusable is not None and raw[:len(MAGIC)] != _EMPTY:  # never written, or wiped
+                unusable[e.reason] += 1
             continue
         if header.payload_nbytes <= payload_nbytes:
             found.append((slot, header))
+        elif unusable is not None:
+            unusable["size"] += 1
     return found
 
 
@@ -289,9 +306,48 @@ def _open_locked_dir(directory: Path) -> int:
         fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(dir_fd)
-        raise ConfigError(f"the disk tier directory {directory} is in use by another "
-                          f"DiskStore (another kvtier process?); give each its own") from None
+        raise ConfigError(f"the disk tier directory {directory} is in use by "
+                          f"{_owner(directory)}; give each process its own disk_kv_path"
+                          ) from None
+    with contextlib.suppress(OSError):  # the lock holds without it: only a refusal's message
+        _write_owner(directory)         # would say less
     return dir_fd
+
+
+OWNER_FILE = "kvtier-kv.owner"
+
+
+def _write_owner(directory: Path) -> None:
+    """Who holds the lock (pid, command), for the message another process gets."""
+    try:
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = ""
+    tmp = directory / f".{OWNER_FILE}.{os.getpid()}"
+    tmp.write_text(f"{os.getpid()}\n{command[:300]}\n")
+    os.replace(tmp, directory / OWNER_FILE)
+
+
+def _owner(directory: Path) -> str:
+    """The lock holder in words: its pid and command (as it runs now, where /proc says)."""
+    try:
+        pid_text, _, command = (directory / OWNER_FILE).read_text().partition("\n")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return "another process (it left no pid)"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"another process (pid {pid} left the lock file, and has exited)"
+    except PermissionError:
+        pass
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = f.read().replace(b"\0", b" ").decode(errors="replace")
+    command = command.strip()[:120]
+    return (f"pid {pid}" + (f" ({command})" if command else "") + "; a vLLM engine or "
+            "worker lives on after the process that launched it is killed, so this may be "
+            f"an orphan: stop it (kill {pid}) if nothing should be serving from there")
 
 
 def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:

@@ -10,15 +10,18 @@ Primitives:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.config import TierConfig
 from kvtier.tier.index.disk import DiskTier
+from kvtier.tier.jobs import Reason
 from kvtier.tier.planner import Calibration
 from kvtier.tier.worker.block_format import BlockHeader, max_header_nbytes
 from kvtier.tier.worker.disk_store import DiskStore, read_headers, round_up
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 GIB = 1024**3
 CALIBRATION_BLOCKS = 8
 UNMEASURED_REMOTE_GBPS = 0.5  # a Redis unreachable at start: assume a slow network
+UNMEASURED_DISK_GBPS = 0.5  # a disk whose calibration failed: assume a slow one
 
 
 def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: float,
@@ -59,12 +63,17 @@ def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: flo
 
 def open_disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int
                ) -> tuple[DiskStore, DiskTier]:
-    """The slot file, and its index rebuilt from the blocks a previous process left there."""
+    """The slot file, and its index rebuilt from the blocks a previous process left there.
+    The free-space check counts the read-rate calibration's scratch too, when it will run."""
     num_slots, header = disk_geometry(config, host.slot_bytes, block_size)
-    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header)
+    scratch = 0 if config.disk_kv_read_gbps else CALIBRATION_BLOCKS * host.slot_bytes
+    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header,
+                      reserve_nbytes=scratch)
     try:
-        tier, rejected = _adopt(config, store.scan(), num_slots, namespace, host.slot_bytes,
-                                host.encoding)
+        unusable: Counter[str] = Counter()
+        found = store.scan(unusable)
+        tier, rejected = _adopt(config, found, unusable, num_slots, namespace,
+                                host.slot_bytes, host.encoding)
         for slot in rejected:
             store.invalidate(slot)
     except BaseException:
@@ -81,8 +90,9 @@ def read_disk_index(config: TierConfig, slot_bytes: int, encoding: str, namespac
     """The disk tier's index from its file, read only: for the process that keeps the index
     while another owns the file (`open_disk` there adopts, and invalidates, the same slots)."""
     num_slots, header = disk_geometry(config, slot_bytes, block_size)
-    found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header)
-    return _adopt(config, found, num_slots, namespace, slot_bytes, encoding)[0]
+    unusable: Counter[str] = Counter()
+    found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header, unusable)
+    return _adopt(config, found, unusable, num_slots, namespace, slot_bytes, encoding)[0]
 
 
 def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple[int, int]:
@@ -97,14 +107,25 @@ def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple
     return num_slots, header
 
 
-def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]], num_slots: int,
-           namespace: bytes, slot_bytes: int, encoding: str) -> tuple[DiskTier, list[int]]:
-    """An index of the blocks of this namespace and shape; the slots it could not take."""
-    tier = DiskTier(num_slots, config.eviction_policy)
-    rejected = tier.adopt((slot, h.key, h.tokens) for slot, h in found
-                          if h.namespace == namespace and h.payload_nbytes == slot_bytes
-                          and h.encoding == encoding)
-    return tier, rejected
+def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
+           unusable: Counter[str], num_slots: int, namespace: bytes, slot_bytes: int,
+           encoding: str) -> tuple[DiskTier, list[int]]:
+    """An index of the blocks of this namespace and shape; the slots it could not take.
+    Blocks of another fingerprint (the weights changed, say) or shape are counted."""
+    ours = []
+    for slot, h in found:
+        if h.namespace != namespace or h.encoding != encoding:
+            unusable[Reason.FINGERPRINT.value] += 1
+        elif h.payload_nbytes != slot_bytes:
+            unusable[Reason.SIZE.value] += 1
+        else:
+            ours.append((slot, h.key, h.tokens))
+    tier = DiskTier(num_slots, config.eviction_policy, unusable)
+    if unusable:
+        log.warning("kvtier: disk tier %s holds blocks this process will not serve (%s): "
+                    "written under another model, configuration or format, or damaged",
+                    config.disk_kv_path, ", ".join(f"{n} {r}" for r, n in unusable.items()))
+    return tier, tier.adopt(ours)
 
 
 def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATION_BLOCKS
@@ -113,6 +134,19 @@ def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATI
     the page cache where the kernel allows, then read back (a scratch file, removed after)."""
     payload = os.urandom(block_bytes)
     path = directory / f".kvtier-calibration-{os.getpid()}"
+    try:
+        return _timed_read(path, payload, blocks)
+    except OSError as e:  # a full or failing disk must not stop serving: assume a slow one
+        path.unlink(missing_ok=True)
+        why = "no space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        log.warning("kvtier: the disk tier's read rate could not be measured in %s (%s); "
+                    "the planner starts from %.1f GB/s (set disk_kv_read_gbps to say)",
+                    directory, why, UNMEASURED_DISK_GBPS)
+        return UNMEASURED_DISK_GBPS
+
+
+def _timed_read(path: Path, payload: bytes, blocks: int) -> float:
+    block_bytes = len(payload)
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
     try:
         for i in range(blocks):

@@ -24,7 +24,7 @@ from kvtier.tier.worker.block_format import (
     payload_checksum,
     tensor_bytes,
 )
-from kvtier.tier.worker.disk_store import FILE_HEADER_NBYTES, FILE_NAME, DiskStore
+from kvtier.tier.worker.disk_store import FILE_HEADER_NBYTES, FILE_NAME, OWNER_FILE, DiskStore
 
 NS = Fingerprint("w" * 64, "llama", "float32", 4, "t" * 64).namespace()
 BLOCK_SIZE = 4
@@ -122,7 +122,7 @@ def test_another_geometry_recreates_the_file_empty(tmp_path: Path) -> None:
     with make_store(tmp_path / "kv", num_slots=6, payload_nbytes=2 * ROW_NBYTES) as second:
         assert second.scan() == []
         assert os.stat(second.path).st_size == second.file_nbytes
-    assert sorted(os.listdir(tmp_path / "kv")) == [FILE_NAME]  # no temporary left behind
+    assert sorted(os.listdir(tmp_path / "kv")) == [OWNER_FILE, FILE_NAME]  # no temporary
 
 
 def test_a_damaged_file_header_recreates_the_file_empty(tmp_path: Path) -> None:
@@ -226,7 +226,29 @@ def test_a_size_the_filesystem_cannot_hold_is_a_config_error(tmp_path: Path) -> 
     message = str(err.value)
     assert str(tmp_path / "kv") in message and "bytes" in message and "free" in message
     assert str(slots * (4096 + 2**20) + FILE_HEADER_NBYTES) in message
-    assert os.listdir(tmp_path / "kv") == []  # nothing half-made left behind
+    assert "GiB fits there" in message  # the size to ask for instead
+    assert os.listdir(tmp_path / "kv") == [OWNER_FILE]  # no half-made file
+
+
+def test_the_free_space_check_counts_what_else_kvtier_writes_there(tmp_path: Path) -> None:
+    """A calibration scratch beside the file (the disk's read rate is measured) must fit too:
+    a file that fits alone but not with it stops at start, naming a size that fits both."""
+    free = shutil.disk_usage(tmp_path).free
+    slot = 4096 + 2**20
+    slots = (free - FILE_HEADER_NBYTES) // slot - 2  # two slots of room to spare
+    reserve = 8 * slot
+    with pytest.raises(ConfigError) as err:
+        DiskStore(tmp_path / "kv", slots, 2**20, HEADER_NBYTES, reserve_nbytes=reserve)
+    assert "calibration scratch" in str(err.value)
+    fits = float(str(err.value).split("disk_kv_size=")[1].split(" GiB")[0])
+    assert fits * 2**30 // slot <= slots - 6
+
+
+def test_a_locked_directory_names_the_process_that_holds_it(store: DiskStore) -> None:
+    with pytest.raises(ConfigError) as err:
+        make_store(store.directory)
+    assert f"in use by pid {os.getpid()}" in str(err.value)
+    assert "orphan" in str(err.value) and f"kill {os.getpid()}" in str(err.value)
 
 
 def test_bad_arguments_are_refused(store: DiskStore, tmp_path: Path) -> None:
@@ -247,7 +269,7 @@ def test_bad_arguments_are_refused(store: DiskStore, tmp_path: Path) -> None:
         store.read(0, bytes(ROW_NBYTES))
     with pytest.raises(ConfigError, match="num_slots >= 1"):
         DiskStore(tmp_path / "other", 0, 1, 1)
-    with pytest.raises(ConfigError, match="in use by another DiskStore"):
+    with pytest.raises(ConfigError, match="in use by pid"):
         make_store(store.directory)  # one owner per directory
     store.close()
     with pytest.raises(ValueError, match="closed"):
