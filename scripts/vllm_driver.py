@@ -5,7 +5,9 @@ each request. The connector's tests (tests/integrations) and benchmark run it as
     .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON|@FILE
 CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
               "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
-              "kv_bytes_per_block": N, "metrics": true}
+              "concurrent": [[ids], ...] (sent at once, before "prompts"), "max_num_seqs": 4,
+              "kv_bytes_per_block": N, "metrics": true,
+              "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
 2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
@@ -38,21 +40,35 @@ def main() -> int:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy=spec.get("policy", "recompute"))
+    lora = None
+    if spec.get("lora") is not None:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(spec["lora"]["name"], 1, spec["lora"]["path"])
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=spec["lora"].get("rank", 8))
     start = time.perf_counter()
     llm = LLM(model=model, enforce_eager=True, skip_tokenizer_init=True,
               dtype=spec.get("dtype", "float32"),
               block_size=block_size, kv_cache_memory_bytes=spec["blocks"] * kv_bytes_per_block,
-              max_model_len=spec.get("max_model_len", 2048), max_num_seqs=4, seed=0,
+              max_model_len=spec.get("max_model_len", 2048),
+              max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
               disable_hybrid_kv_cache_manager=True,
               disable_log_stats=not spec.get("metrics", False), **kwargs)
     started = time.perf_counter() - start
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=5,
                             ignore_eos=True)
+    together = []  # "concurrent": prompts sent at once (vLLM batches and preempts them)
+    if spec.get("concurrent"):
+        done = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in spec["concurrent"]],
+                            params, use_tqdm=False)
+        together = [{"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens}
+                    for r in done]
     out = []
     for ids in spec["prompts"]:
         t = time.perf_counter()
         try:
-            [r] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+            [r] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
+                               lora_request=lora)
         except Exception as e:  # a request the engine failed: report it, keep serving
             out.append({"error": f"{type(e).__name__}: {e}"[:500]})
             continue
@@ -72,8 +88,8 @@ def main() -> int:
                 extra = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
                                  if k not in ("engine", "model_name"))
                 metrics[m.name + (f"{{{extra}}}" if extra else "")] = m.value
-    print(MARK + json.dumps({"started_s": started, "results": out, "metrics": metrics}),
-          flush=True)
+    print(MARK + json.dumps({"started_s": started, "results": out, "concurrent": together,
+                             "metrics": metrics}), flush=True)
     return 0
 
 

@@ -14,7 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 # data key -> what it counts (the Prometheus family is vllm:kvtier_<key>)
 COUNTERS = {
-    "lookup_tokens": "Prompt tokens beyond vLLM's own prefix cache that kvtier looked up",
+    "lookup_tokens": "Prompt tokens beyond vLLM's own prefix cache that kvtier looked up "
+                     "(once per request, however often vLLM asks again)",
     "restored_tokens": "Tokens restored from kvtier's tiers instead of recomputed",
     "declined_tokens": "Tokens found in kvtier's tiers but recomputed (the planner's choice, "
                        "a block that failed verification, or no room on host)",
@@ -30,11 +31,12 @@ COUNTERS = {
 BY_TIER = {
     "written_blocks": (("tier",), "Blocks written on from host to a tier below it"),
     "written_bytes": (("tier",), "Bytes written on from host to a tier below it"),
-    "write_failures": (("tier",), "Blocks a tier below host failed to take"),
+    "write_failures": (("tier",), "Blocks a tier below host failed to take (not misses)"),
     "fetched_blocks": (("tier",), "Blocks fetched into host from a tier below it, verified"),
     "fetched_bytes": (("tier",), "Bytes fetched into host from a tier below it"),
     "miss_blocks": (("tier", "reason"), "Blocks found below host but not served, by reason "
-                                        "(checksum, namespace, tokens, missing, io, ...)"),
+                                        "(kvtier.tier.Reason: fingerprint, checksum, mac, "
+                                        "missing, io, ...; blocks refused at start included)"),
 }
 
 

@@ -55,9 +55,7 @@ class DiskStore:
     """`num_slots` slots of `payload_nbytes` (+ a `header_nbytes` header) in one file."""
 
     def __init__(self, directory: str | Path, num_slots: int, payload_nbytes: int,
-                 header_nbytes: int, reserve_nbytes: int = 0) -> None:
-        """`reserve_nbytes`: what else kvtier writes beside the file (a calibration scratch),
-        counted against the filesystem's free space before the file is allocated."""
+                 header_nbytes: int) -> None:
         self._fd = self._dir_fd = -1  # set first: close() runs even if __init__ fails
         for name, value in (("num_slots", num_slots), ("payload_nbytes", payload_nbytes),
                             ("header_nbytes", header_nbytes)):
@@ -71,7 +69,6 @@ class DiskStore:
         self.header_area = round_up(header_nbytes)
         self.slot_nbytes = self.header_area + round_up(payload_nbytes)
         self.file_nbytes = FILE_HEADER_NBYTES + num_slots * self.slot_nbytes
-        self.reserve_nbytes = reserve_nbytes
         self._dir_fd = _open_locked_dir(self.directory)
         try:
             self._fd = self._open_or_create()
@@ -136,7 +133,7 @@ class DiskStore:
         """Reserve file_nbytes on disk now; ConfigError if the filesystem cannot hold them."""
         have = os.fstat(fd).st_blocks * 512
         free = shutil.disk_usage(self.directory).free
-        if self.file_nbytes - have + self.reserve_nbytes > free:
+        if self.file_nbytes - have > free:
             raise self._too_large(path, free + have)
         try:
             if not hasattr(os, "posix_fallocate"):  # macOS
@@ -153,13 +150,12 @@ class DiskStore:
 
     def _too_large(self, path: Path, usable: int) -> ConfigError:
         """`usable`: free bytes plus what the file already holds there."""
-        need = self.file_nbytes + self.reserve_nbytes
-        slots = max(usable - self.reserve_nbytes - FILE_HEADER_NBYTES, 0) // self.slot_nbytes
+        need = self.file_nbytes
+        slots = max(usable - FILE_HEADER_NBYTES, 0) // self.slot_nbytes
         fits = (f"disk_kv_size={slots * self.slot_nbytes / 2**30 - 0.0005:.3f} GiB fits there"
                 if slots else "not one block fits there")
         return ConfigError(
-            f"the disk tier needs {need} bytes ({need / 2**30:.3f} GiB: its file and "
-            f"{self.reserve_nbytes} bytes of calibration scratch) at {path}, but that "
+            f"the disk tier needs {need} bytes ({need / 2**30:.3f} GiB) at {path}, but that "
             f"filesystem has {usable} bytes ({usable / 2**30:.3f} GiB) free for it; {fits}: "
             f"lower disk_kv_size or choose another disk_kv_path")
 

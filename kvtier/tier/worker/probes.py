@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,6 +40,7 @@ GIB = 1024**3
 CALIBRATION_BLOCKS = 8
 UNMEASURED_REMOTE_GBPS = 0.5  # a Redis unreachable at start: assume a slow network
 UNMEASURED_DISK_GBPS = 0.5  # a disk whose calibration failed: assume a slow one
+SCRATCH_HEADROOM = 2  # the calibration writes only where twice its scratch is free
 
 
 def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: float,
@@ -63,12 +65,9 @@ def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: flo
 
 def open_disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int
                ) -> tuple[DiskStore, DiskTier]:
-    """The slot file, and its index rebuilt from the blocks a previous process left there.
-    The free-space check counts the read-rate calibration's scratch too, when it will run."""
+    """The slot file, and its index rebuilt from the blocks a previous process left there."""
     num_slots, header = disk_geometry(config, host.slot_bytes, block_size)
-    scratch = 0 if config.disk_kv_read_gbps else CALIBRATION_BLOCKS * host.slot_bytes
-    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header,
-                      reserve_nbytes=scratch)
+    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header)
     try:
         unusable: Counter[str] = Counter()
         found = store.scan(unusable)
@@ -131,14 +130,19 @@ def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
 def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATION_BLOCKS
                       ) -> float:
     """Read GB/s of the disk tier's filesystem: `blocks` blocks written, synced, dropped from
-    the page cache where the kernel allows, then read back (a scratch file, removed after)."""
-    payload = os.urandom(block_bytes)
+    the page cache where the kernel allows, then read back (a scratch file, removed after).
+    Where the scratch would leave the filesystem short (the slot file took it, as sized) or
+    the disk fails, the planner starts from a slow guess instead: a disk that fits serves."""
     path = directory / f".kvtier-calibration-{os.getpid()}"
     try:
-        return _timed_read(path, payload, blocks)
+        free = shutil.disk_usage(directory).free
+        if free < SCRATCH_HEADROOM * blocks * block_bytes:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, the calibration writes "
+                                        f"{blocks * block_bytes}")
+        return _timed_read(path, os.urandom(block_bytes), blocks)
     except OSError as e:  # a full or failing disk must not stop serving: assume a slow one
         path.unlink(missing_ok=True)
-        why = "no space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        why = e.strerror or str(e)
         log.warning("kvtier: the disk tier's read rate could not be measured in %s (%s); "
                     "the planner starts from %.1f GB/s (set disk_kv_read_gbps to say)",
                     directory, why, UNMEASURED_DISK_GBPS)

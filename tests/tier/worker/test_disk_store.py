@@ -230,20 +230,6 @@ def test_a_size_the_filesystem_cannot_hold_is_a_config_error(tmp_path: Path) -> 
     assert os.listdir(tmp_path / "kv") == [OWNER_FILE]  # no half-made file
 
 
-def test_the_free_space_check_counts_what_else_kvtier_writes_there(tmp_path: Path) -> None:
-    """A calibration scratch beside the file (the disk's read rate is measured) must fit too:
-    a file that fits alone but not with it stops at start, naming a size that fits both."""
-    free = shutil.disk_usage(tmp_path).free
-    slot = 4096 + 2**20
-    slots = (free - FILE_HEADER_NBYTES) // slot - 2  # two slots of room to spare
-    reserve = 8 * slot
-    with pytest.raises(ConfigError) as err:
-        DiskStore(tmp_path / "kv", slots, 2**20, HEADER_NBYTES, reserve_nbytes=reserve)
-    assert "calibration scratch" in str(err.value)
-    fits = float(str(err.value).split("disk_kv_size=")[1].split(" GiB")[0])
-    assert fits * 2**30 // slot <= slots - 6
-
-
 def test_a_locked_directory_names_the_process_that_holds_it(store: DiskStore) -> None:
     with pytest.raises(ConfigError) as err:
         make_store(store.directory)
