@@ -60,6 +60,15 @@ def tiny() -> LoadedModel:
     return load_model("tiny")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Weight digests are cached per user (kvtier.model.digest): the suite keeps its own
+    cache, so it neither reads nor writes the developer's (vLLM subprocesses inherit it)."""
+    if "KVTIER_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["KVTIER_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
+
+
 def pytest_report_header() -> str:
     import torch
 

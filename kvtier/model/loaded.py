@@ -6,17 +6,16 @@ Its own module so the backends (GGUF, Hugging Face, presets) and the resolver in
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvtier.model.digest import combined_digest
 from kvtier.model.spec import ModelSpec
 from kvtier.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-_CHUNK = 8 << 20
 
 
 @dataclass
@@ -26,15 +25,11 @@ class LoadedModel:
     spec: ModelSpec
     weights: dict[str, torch.Tensor]  # HF names, e.g. "model.layers.0.self_attn.q_proj.weight"
     tokenizer: Tokenizer
-    weights_digest: str  # blake2b hex of the weight bytes; part of the cache fingerprint
+    weights_digest: str  # digest of every weight byte (model/digest.py); in the fingerprint
     source: str  # resolved path, or the preset name
 
 
 def weights_digest(paths: list[Path]) -> str:
-    """blake2b of the files' bytes in the given order, read in 8 MiB chunks."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in paths:
-        with p.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-    return h.hexdigest()
+    """A digest of every byte of the files in the given order, cached per file version: any
+    changed byte changes it, a copy of the files elsewhere does not."""
+    return combined_digest(paths)

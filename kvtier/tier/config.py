@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
+from kvtier.tier.knobs import Bounds, check_bounds, check_types
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
+MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
 SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
 GIB = 1024**3
 
@@ -26,6 +28,22 @@ def host_slot_count(size_gib: float, slot_bytes: int) -> int:
 WRITE_POLICIES = ("write_through", "write_back")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_MODES = ("async", "layerwise")
+_RATE: Bounds = (0.0, 1e6)  # GB/s; "> 0" is checked with its own message
+_SECONDS: Bounds = (0.0, 1e9)
+# Ranges of the numeric knobs: past these a value is a typo, not a machine.
+BOUNDS: dict[str, Bounds] = {
+    "kv_offloading_size": (0.0, 2.0**20),  # GiB: 1 PiB of host memory
+    "idle_offload_s": _SECONDS,
+    "max_load_tokens": (0, 2**31),
+    "max_offload_tokens": (0, 2**31),
+    "blocks_per_chunk": (1, 2**20),
+    "max_store_gbps": _RATE,
+    "disk_kv_size": (0.0, 2.0**24),  # GiB: 16 PiB of disk
+    "remote_kv_ttl_s": _SECONDS,
+    "disk_kv_max_gbps": _RATE,
+    "disk_kv_read_gbps": _RATE,
+    "remote_kv_read_gbps": _RATE,
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,11 @@ class TierConfig:
     disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
     remote_kv_url: str | None = None  # redis://[:password@]host:port[/db], shared by processes
     remote_kv_ttl_s: float | None = None  # expire remote blocks after this long; None = never
+    # The remote tier's MAC secret (>= 16 bytes, the same on every instance sharing the store):
+    # a fetched block counts only with a valid MAC under it. Prefer the file (read when the
+    # tier is built): vLLM logs its kv-transfer config. The secret is never printed.
+    remote_kv_secret: str | None = field(default=None, repr=False)
+    remote_kv_secret_file: str | None = None
     # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
     # see how a slower device would serve); None: as fast as the disk goes.
     disk_kv_max_gbps: float | None = None
@@ -75,6 +98,7 @@ class TierConfig:
         return bool(self.remote_kv_url)
 
     def validate(self) -> None:
+        check_types(self)
         if self.kv_offloading_size < 0:
             raise ConfigError(
                 f"kv_offloading_size={self.kv_offloading_size} GiB must be >= 0 (0 = off)"
@@ -101,6 +125,7 @@ class TierConfig:
         if self.max_store_gbps is not None and not self.max_store_gbps > 0:
             raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
         self._validate_deep_tiers()
+        check_bounds(self, BOUNDS)
 
     def _validate_deep_tiers(self) -> None:
         if self.disk_kv_size < 0:
@@ -124,8 +149,26 @@ class TierConfig:
             raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_url:
             raise ConfigError("remote_kv_ttl_s is set but remote_kv_url is not")
+        self._validate_secret()
         if (self.disk_enabled or self.remote_enabled) and not self.enabled:
             raise ConfigError(
                 "the disk and remote tiers are staged through host memory: set "
                 "kv_offloading_size (GiB of host memory) as well"
             )
+
+    def _validate_secret(self) -> None:
+        """The MAC secret's knobs; messages name the knob, never the secret."""
+        secret, path = self.remote_kv_secret, self.remote_kv_secret_file
+        if secret is not None and path is not None:
+            raise ConfigError("remote_kv_secret and remote_kv_secret_file are both set; keep "
+                              "remote_kv_secret_file (vLLM logs its kv-transfer config)")
+        if (secret is not None or path is not None) and not self.remote_kv_url:
+            name = "remote_kv_secret" if secret is not None else "remote_kv_secret_file"
+            raise ConfigError(f"{name} is set but remote_kv_url is not; it authenticates the "
+                              "remote tier's blocks")
+        if secret is not None and len(secret.encode()) < MIN_SECRET_NBYTES:
+            raise ConfigError(f"remote_kv_secret is shorter than {MIN_SECRET_NBYTES} bytes; "
+                              "use a long random one, e.g. `head -c 32 /dev/urandom | base64`")
+        if path is not None and not path.strip():
+            raise ConfigError("remote_kv_secret_file is blank; unset it or name the file "
+                              "holding the secret")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from kvtier.tier.keys import BlockKey
 
 KV_LAYOUT_VERSION = 1  # bump when the KV memory layout changes
-FORMAT_VERSION = 1  # bump when the stored block format changes
+FORMAT_VERSION = 2  # bump when the stored block format changes (2: a MAC field)
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,9 @@ class Job:
 class Result:
     """How a job ended, per block: `ok[i]`, and `reasons[i]` ("" where ok) otherwise.
 
-    Reasons are the labels metrics carry ("checksum", "tokens", "missing", "io:...",
-    "skipped" for a block not read after an earlier one failed). A failed block is a miss,
-    never a load: its partial bytes are the caller's to discard."""
+    Below host, reasons are `Reason` members (the labels metrics carry); a device <-> host
+    copy's error is its text. A failed block is a miss, never a load: its partial bytes are
+    the caller's to discard."""
 
     job_id: int
     ok: tuple[bool, ...]

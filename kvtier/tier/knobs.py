@@ -27,7 +27,8 @@ def check_types(config: Any) -> None:
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
         if not fits(value, hint):
-            raise ConfigError(f"{f.name}={value!r} is a {type(value).__name__}; it must be "
+            shown = f"={value!r}" if f.repr else " (its value hidden: a secret)"
+            raise ConfigError(f"{f.name}{shown} is a {type(value).__name__}; it must be "
                               f"{describe(hint)}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{f.name}={value} must be a finite number")

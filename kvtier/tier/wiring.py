@@ -3,10 +3,14 @@
 Everything is measured or opened before the objects that need it are built, so nothing is
 assigned after construction: the link is timed, the disk is opened and its index rebuilt,
 the tiers' read rates are probed, then the planner, the indexes and the manager are made.
+The remote tier's secret is read here, once: its MAC key signs and verifies blocks, and its
+key id is mixed into the store's key namespace, so instances with different secrets never
+see each other's blocks while clients' namespaces stay as they are.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.below import BelowHost
-from kvtier.tier.config import TierConfig, host_slot_count
+from kvtier.tier.config import MIN_SECRET_NBYTES, TierConfig, host_slot_count
 from kvtier.tier.index.disk import DiskTier
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.remote import RemotePresence, RemoteTier
@@ -22,6 +26,7 @@ from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
+from kvtier.tier.worker.block_mac import BlockMac
 from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
@@ -37,6 +42,14 @@ from kvtier.tier.worker.worker import TierWorker
 
 if TYPE_CHECKING:
     from kvtier.tier.worker.redis_store import RedisStore
+
+log = logging.getLogger(__name__)
+MAX_SECRET_FILE_NBYTES = 4096  # a secret file holds one secret; more is the wrong file
+NO_SECRET_WARNING = (
+    "kvtier: the remote tier has no secret, so its blocks are checksummed, not authenticated: "
+    "whoever can write to that store chooses the KV every kvtier instance on it serves. Set "
+    "remote_kv_secret_file to a file holding the same random secret (at least 16 bytes, e.g. "
+    "`head -c 32 /dev/urandom | base64 > FILE`) on every instance.")
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,7 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
     tokens per block; `prefill_tokens_per_s`: the client's measured prefill speed, the
     planner's starting recompute estimate."""
     _enabled(config)
+    mac = remote_mac(config)  # a bad secret file stops the build before anything is allocated
     with ExitStack() as undo:  # anything opened is closed again if a later step fails
         host, link = _host_and_link(config, layout, undo)
         calibration = measure_link(link, host, prefill_tokens_per_s)
@@ -69,11 +83,11 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
         if config.disk_enabled:
             disk_store, disk_tier = open_disk(config, host, namespace, block_size)
             undo.callback(disk_store.close)
-        remote_store = _open_remote(config, namespace, undo)
+        remote_store = _open_remote(config, namespace, undo, mac)
         manager, presence = _manager(config, block_size, host.num_slots, host.slot_bytes,
                                      host.encoding, link.layout.block_nbytes, calibration,
                                      disk_tier, remote_store)
-        io = _io(config, host, namespace, disk_store, remote_store)
+        io = _io(config, host, namespace, disk_store, remote_store, mac)
         tier = Tier(manager, TierWorker(host, link, io, disk_store, remote_store), presence)
         undo.pop_all()
     return tier
@@ -108,7 +122,8 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
         disk_tier = None
         if config.disk_enabled:
             disk_tier = read_disk_index(config, block_nbytes, "", namespace, block_size)
-        remote_store = _open_remote(config, namespace, undo)
+        # Presence only: the store's namespace, no warning (the worker side gives it).
+        remote_store = _open_remote(config, namespace, undo, remote_mac(config, warn=False))
         manager, presence = _manager(config, block_size,
                                      host_slot_count(config.kv_offloading_size, block_nbytes),
                                      block_nbytes, "", block_nbytes, calibration, disk_tier,
@@ -124,14 +139,15 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
     the host pool, the disk file (opened, locked, its bad slots invalidated) and the Redis
     connection its I/O thread reads and writes through."""
     _enabled(config)
+    mac = remote_mac(config)
     with ExitStack() as undo:
         host, link = _host_and_link(config, layout, undo)
         disk_store = None
         if config.disk_enabled:
             disk_store, _ = open_disk(config, host, namespace, block_size)
             undo.callback(disk_store.close)
-        remote_store = _open_remote(config, namespace, undo)
-        io = _io(config, host, namespace, disk_store, remote_store)
+        remote_store = _open_remote(config, namespace, undo, mac)
+        io = _io(config, host, namespace, disk_store, remote_store, mac)
         undo.pop_all()
     return TierWorker(host, link, io, disk_store, remote_store)
 
@@ -159,11 +175,12 @@ def _manager(config: TierConfig, block_size: int, host_slots: int, slot_bytes: i
 
 
 def _io(config: TierConfig, host: HostPool, namespace: bytes, disk: DiskStore | None,
-        remote: RedisStore | None) -> TierIO | None:
+        remote: RedisStore | None, mac: BlockMac | None) -> TierIO | None:
     """The I/O thread to the tiers below host, if there is one."""
     if disk is None and remote is None:
         return None
-    return TierIO(host, namespace, disk, remote, disk_max_gbps=config.disk_kv_max_gbps)
+    return TierIO(host, namespace, disk, remote, disk_max_gbps=config.disk_kv_max_gbps,
+                  mac=mac)
 
 
 def _disk_rate(config: TierConfig, slot_bytes: int) -> float:
@@ -174,14 +191,57 @@ def _disk_rate(config: TierConfig, slot_bytes: int) -> float:
     return min(rate, cap) if cap else rate
 
 
-def _open_remote(config: TierConfig, namespace: bytes, undo: ExitStack) -> RedisStore | None:
+def _open_remote(config: TierConfig, namespace: bytes, undo: ExitStack, mac: BlockMac | None
+                 ) -> RedisStore | None:
     if not config.remote_enabled:
         return None
     from kvtier.tier.worker.redis_store import RedisStore  # the client only if used
 
+    if mac is not None:  # another secret, another key space: never found, never deleted
+        namespace = mac.store_namespace(namespace)
     store = RedisStore(str(config.remote_kv_url), namespace, config.remote_kv_ttl_s)
     undo.callback(store.close)
     return store
+
+
+def remote_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:
+    """The remote tier's MAC from the configured secret (the file read now), or None; with a
+    remote tier and no secret, `warn` logs once that the store is trusted blindly."""
+    if not config.remote_enabled:
+        return None
+    secret = _read_secret(config)
+    if secret is None:
+        if warn:
+            log.warning(NO_SECRET_WARNING)
+        return None
+    return BlockMac.from_secret(secret)
+
+
+def _read_secret(config: TierConfig) -> bytes | None:
+    """The secret's bytes (a file's, surrounding whitespace stripped); ConfigError naming
+    the knob and the path, never the secret."""
+    if config.remote_kv_secret is not None:
+        return config.remote_kv_secret.encode()
+    path = config.remote_kv_secret_file
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(MAX_SECRET_FILE_NBYTES + 1).strip()
+    except OSError as e:
+        raise ConfigError(f"remote_kv_secret_file={path!r} cannot be read "
+                          f"({e.strerror or type(e).__name__}); name a readable file holding "
+                          "the remote tier's secret") from None
+    if len(secret) > MAX_SECRET_FILE_NBYTES:
+        raise ConfigError(f"remote_kv_secret_file={path!r} holds more than "
+                          f"{MAX_SECRET_FILE_NBYTES} bytes; it should hold one secret")
+    if not secret:
+        raise ConfigError(f"remote_kv_secret_file={path!r} is empty; put a random secret of at "
+                          "least 16 bytes in it (`head -c 32 /dev/urandom | base64 > FILE`)")
+    if len(secret) < MIN_SECRET_NBYTES:
+        raise ConfigError(f"remote_kv_secret_file={path!r} holds fewer than "
+                          f"{MIN_SECRET_NBYTES} bytes; use a longer random secret")
+    return secret
 
 
 def _host_and_link(config: TierConfig, layout: KVLayout, undo: ExitStack

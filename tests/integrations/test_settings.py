@@ -86,3 +86,11 @@ def test_untested_vllm_versions_are_refused() -> None:
     with pytest.raises(ConfigError) as e:
         check_vllm_version("0.31.1")
     assert "supports vLLM 0.32.x, 0.33.x; this is vLLM 0.31.1" in str(e.value)
+
+
+def test_a_secret_of_the_wrong_type_is_refused_without_being_shown() -> None:
+    with pytest.raises(ConfigError) as e:
+        settings({"kv_offloading_size": 1, "remote_kv_url": "redis://127.0.0.1:1/0",
+                  "remote_kv_secret": 12345678901234567890})
+    assert "remote_kv_secret (its value hidden" in str(e.value)
+    assert "12345678901234567890" not in str(e.value)

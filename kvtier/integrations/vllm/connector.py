@@ -30,9 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.identity import weights_identity
+from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
-from kvtier.integrations.vllm.settings import check_vllm_version, tier_config
+from kvtier.integrations.vllm.settings import ConnectorSettings, check_vllm_version, settings
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
 from kvtier.tier import (
@@ -55,9 +55,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-# The planner's start before anything is observed: a modest memory copy and a modest
-# prefill. The link estimate is refined from every load the worker reports.
-PRIOR = Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
+def prior() -> Calibration:
+    """The planner's start before anything is observed: a modest memory copy and a modest
+    prefill, refined from every load the worker reports. A new object each call: the
+    planner mutates it (a shared module-level one was shared by every connector)."""
+    return Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
+
 FAULT_ENV = "KVTIER_INJECT_LOAD_FAILURES"  # tests: every host -> device load fails
 
 
@@ -99,16 +102,18 @@ class KvtierConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_vllm_version(vllm.__version__)
-        self.config = tier_config(self._kv_transfer_config.kv_connector_extra_config)
-        plan = _plan(vllm_config, kv_cache_config, self.config)
+        self.config, self.settings = settings(
+            self._kv_transfer_config.kv_connector_extra_config)
+        plan = _plan(vllm_config, kv_cache_config, self.config, self.settings)
         self.tier: SchedulerTier | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}
+        self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
         if role is KVConnectorRole.SCHEDULER:
             self.tier = build_scheduler_side(self.config, plan.block_size, plan.block_nbytes,
-                                             Calibration(**vars(PRIOR)), plan.namespace)
+                                             prior(), plan.namespace)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            plan.fingerprint.namespace)
         else:
@@ -122,9 +127,12 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         if request.mm_features or request.prompt_embeds is not None:
             return 0, False  # multimodal or embedding prompts: never stored, never loaded
+        salt = _salt(request, self._adapters)
+        if salt is None:
+            return 0, False  # a LoRA adapter whose bytes kvtier cannot see: never cached
         self._requests[request.request_id] = request
-        n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids,
-                                          _salt(request), num_computed_tokens)
+        n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, salt,
+                                          num_computed_tokens)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -165,6 +173,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
         params = self.scheduler.finished(request.request_id)
+        if not self.settings.enable_residency_details:
+            params = {}  # where another tenant's prefix lived is nobody else's business
         return False, params or None  # stores are done by now: the blocks may be freed
 
     def has_pending_push_work(self) -> bool:
@@ -236,10 +246,15 @@ class KvtierConnector(KVConnectorBase_V1):
             self.tier.close()
 
 
-def _salt(request: Request) -> str:
-    """A request's namespace beyond the engine's: its cache_salt and its LoRA adapter."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else ""
-    return f"{request.cache_salt or ''}\x00lora={lora}"
+def _salt(request: Request, adapters: AdapterMemo) -> str | None:
+    """A request's namespace beyond the engine's: its cache_salt and its LoRA adapter's weights
+    (their digest, not the adapter's name); None when the adapter cannot be identified."""
+    adapter: str | None = ""
+    if request.lora_request is not None:
+        adapter = adapter_identity(request.lora_request, adapters)
+        if adapter is None:
+            return None
+    return f"{request.cache_salt or ''}\x00lora={adapter}"
 
 
 def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
@@ -255,7 +270,7 @@ def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
 
 
 def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-          config: TierConfig) -> _Plan:
+          config: TierConfig, own: ConnectorSettings) -> _Plan:
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ConfigError("kvtier's connector runs with tensor_parallel_size=1 and "
@@ -291,7 +306,8 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     cache = vllm_config.cache_config
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
     fingerprint = Fingerprint(
-        weights_digest=weights_identity(model.model, model.revision),
+        weights_digest=weights_identity(model.model, model.revision,
+                                        pinned=own.model_identity),
         architecture=model.hf_config.to_json_string(use_diff=False),
         kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}",
         block_size=block_size,

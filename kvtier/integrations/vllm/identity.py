@@ -1,30 +1,56 @@
 """What a vLLM engine's KV bytes depend on, folded into kvtier's fingerprint (fail closed).
 
-Model identity is a sampled digest of the weight files: each safetensors file's size, its
-whole header (every tensor's name, dtype, shape and offsets) and 32 windows of 64 KiB spread
-over its payload, plus config.json. A changed shape, dtype, file or any sampled byte changes
-it; it reads about 2 MiB per file, so it costs milliseconds for any model size. A fine-tune
-that changes no sampled byte is the case it cannot see: give such weights their own
-directory (the path is not part of it, on purpose: a copy of a model is the same model).
+Primitives: `weights_identity(model, revision, pinned)` for the base model, computed once at
+start; `adapter_identity(lora_request)` for a request's LoRA adapter, on every request.
+
+The model's identity is config.json's bytes plus, for every `*.safetensors` file sorted by
+name, its name and a digest of all its bytes (`kvtier.model.digest`: xxh3-128, cached per
+file version, so only the first start after a change reads the weights). Any changed byte
+changes it; the path is not part of it (a copy of a model is the same model, and two nodes
+sharing Redis agree). A hub name that is not a local directory identifies as
+`model@<40-hex commit>` or not at all. A pin (`pinned`, the connector's `model_identity`
+knob, e.g. a model registry's version) replaces all of this without reading a byte: that the
+pin changes whenever the weights do is then the operator's responsibility, not kvtier's.
+
+An adapter's identity is a digest of its directory's adapter_config.json and weight files,
+through the same cache, memoised in-process by their stat stamps (a request costs a few
+`stat` calls). An adapter kvtier cannot see the bytes of (not a local directory), or one that
+changed on disk while this process served it (vLLM may still hold the old weights in memory),
+has no identity: its requests are neither looked up nor stored.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
-import struct
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import xxhash
 
 from kvtier.errors import ConfigError
+from kvtier.model.digest import file_digest, racy, stamp
 
-WINDOWS = 32
-WINDOW_BYTES = 64 << 10
-MAX_HEADER_BYTES = 100 << 20
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = (".safetensors", ".bin", ".pt")  # what vLLM's LoRA loader reads
+MEMO_ENTRIES = 4096
+CHANGED = "changed-while-served"  # never a hex digest
+
+Stamps = tuple[tuple[str, int, int, int, int, int], ...]  # (name, size, mtime, ctime, ino, dev)
 
 
-def weights_identity(model: str, revision: str | None = None) -> str:
-    """Digest of a local model directory's weights (see module doc), or `model@revision` for
-    a hub model pinned to a commit; ConfigError when neither identifies the weights."""
+def weights_identity(model: str, revision: str | None = None, pinned: str | None = None) -> str:
+    """Identity of the weights vLLM serves (see module doc); ConfigError when kvtier cannot
+    tell which weights they are."""
+    if pinned is not None:
+        if not pinned.strip():
+            raise ConfigError("model_identity is empty; give the version your model registry "
+                              "guarantees for these weights, or unset it")
+        return "pinned:" + pinned
     path = Path(model)
     if not path.is_dir():
         if revision and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
@@ -32,33 +58,93 @@ def weights_identity(model: str, revision: str | None = None) -> str:
         raise ConfigError(
             f"kvtier cannot tell which weights {model!r} holds (not a local directory, and no "
             "commit revision pinned): serve a local model directory, or pass --revision <sha>")
-    h = hashlib.blake2b(digest_size=16)
-    config = path / "config.json"
-    if config.is_file():
-        h.update(config.read_bytes())
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{path} has no *.safetensors files for kvtier to identify the weights "
                           "by; kvtier's connector supports safetensors checkpoints")
-    for file in files:
-        _sample(file, h)
+    began = time.perf_counter()
+    h = xxhash.xxh3_128()
+    config = path / "config.json"
+    try:
+        if config.is_file():
+            h.update(config.read_bytes())
+        h.update(b"\x00")
+        digests = [(file, file_digest(file)) for file in files]
+        size = sum(file.stat().st_size for file in files)
+    except OSError as e:
+        raise ConfigError(f"kvtier cannot read {path}'s weights to identify them: {e}") from e
+    for file, digest in digests:
+        h.update(f"{file.name}\x00{digest.hex}\x00".encode())
+    cached = sum(d.cached for _, d in digests)
+    log.info("kvtier: identified the weights in %s (%d file(s), %.2f GB) in %.2f s; %d of %d "
+             "file digest(s) from the cache", path, len(files), size / 1e9,
+             time.perf_counter() - began, cached, len(files))
     return h.hexdigest()
 
 
-def _sample(file: Path, h: hashlib._Hash) -> None:
-    size = file.stat().st_size
-    h.update(f"{file.name}\x00{size}\x00".encode())
-    with file.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ConfigError(f"{file} is not a safetensors file (shorter than 8 bytes)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise ConfigError(f"{file} is not a safetensors file (header of {header_len} bytes)")
-        h.update(f.read(header_len))
-        start = 8 + header_len
-        payload = size - start
-        for i in range(WINDOWS):
-            offset = start + (payload - WINDOW_BYTES) * i // max(WINDOWS - 1, 1)
-            f.seek(max(start, offset), os.SEEK_SET)
-            h.update(f.read(WINDOW_BYTES))
+class AdapterMemo:
+    """What this process knows of adapters: each directory's digest per stat stamps, and the
+    first digest it served per directory (a later, different one means vLLM may still hold
+    the first in memory)."""
+
+    def __init__(self) -> None:
+        self.by_stamps: dict[tuple[str, Stamps], str] = {}
+        self.first: dict[str, str] = {}
+
+    def remember(self, table: dict[Any, str], key: Any, digest: str) -> None:
+        table[key] = digest
+        if len(table) > MEMO_ENTRIES:
+            del table[next(iter(table))]
+
+
+def adapter_identity(lora_request: Any, memo: AdapterMemo) -> str | None:
+    """Digest of a LoRA adapter's files (`lora_request.lora_path`, as vLLM's LoRARequest holds
+    it); None when kvtier cannot identify it: never look its KV up or store it then."""
+    raw = getattr(lora_request, "lora_path", "") or ""
+    directory = Path(raw).expanduser()
+    if not raw or not directory.is_dir():
+        return None  # a hub id (vLLM downloads it in the worker) or a missing path
+    directory = directory.resolve()
+    key = str(directory)
+    try:
+        files = sorted(_adapter_files(directory))
+        stamps: Stamps = tuple((f.name, *stamp(f.stat())) for f in files)
+    except OSError:
+        return None
+    if not any(name == ADAPTER_CONFIG for name, *_ in stamps) or len(stamps) < 2:
+        return None  # vLLM cannot load it either: nothing to cache
+    digest = memo.by_stamps.get((key, stamps))
+    if digest is None:
+        try:
+            digest = _adapter_digest(files)
+        except OSError:
+            return None
+        now = time.time_ns()
+        if not any(racy(s[1:], now) for s in stamps):
+            memo.remember(memo.by_stamps, (key, stamps), digest)
+    first = memo.first.get(key)
+    if first is None:
+        memo.remember(memo.first, key, digest)
+    elif first != digest:
+        if first != CHANGED:  # warn once per adapter
+            log.warning("kvtier: the LoRA adapter in %s changed on disk while vLLM serves it "
+                        "(vLLM may still hold the old weights): its KV is not cached until a "
+                        "restart", directory)
+            memo.first[key] = CHANGED
+        return None
+    return digest
+
+
+def _adapter_files(directory: Path) -> Iterator[Path]:
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_file() and (entry.name == ADAPTER_CONFIG
+                                    or entry.name.endswith(ADAPTER_WEIGHTS)):
+                yield Path(entry.path)
+
+
+def _adapter_digest(files: list[Path]) -> str:
+    h = xxhash.xxh3_128()
+    for file in files:
+        h.update(f"{file.name}\x00{file_digest(file).hex}\x00".encode())
+    return h.hexdigest()

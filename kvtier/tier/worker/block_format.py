@@ -4,12 +4,17 @@ Bytes that outlive the process can come back wrong: a different model wrote them
 tore a write, a disk flipped a bit. The header therefore names the writer's namespace, the
 block's key and token ids, the payload's size and xxh3 checksum, and carries a checksum of
 its own bytes, so every such case is a miss (`CorruptBlock` or a `check` reason), never a
-wrong hit served as KV.
+wrong hit served as KV. A checksum stops accidents, not a writer: blocks in a shared store
+also carry a MAC (`block_mac.py`) over the header's fields and the payload, keyed by a
+secret only kvtier instances hold; `check` refuses a block without a valid one.
 
 Header, little-endian:
-    magic "KVTB" | version u16 | key_len u8 | encoding_len u8 | num_tokens u16 |
+    magic "KVTB" | version u16 | key_len u8 | encoding_len u8 | num_tokens u16 | mac_len u8 |
     namespace 16B | payload_nbytes u64 | payload checksum u64 |
-    key | encoding (ascii) | token ids u32 x num_tokens | xxh3_64 of all the above u64
+    key | encoding (ascii) | token ids u32 x num_tokens | mac (mac_len bytes, 0 or 32) |
+    xxh3_64 of all the above u64
+The MAC covers every byte before it as encoded with mac_len 32 (`signed_fields`), then the
+payload; the header checksum covers the MAC too.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,13 +32,19 @@ import xxhash
 
 from kvtier.errors import KvtierError
 from kvtier.tier.fingerprint import FORMAT_VERSION
+from kvtier.tier.jobs import Reason
+from kvtier.tier.worker.block_mac import MAC_NBYTES
+
+if TYPE_CHECKING:
+    from kvtier.tier.worker.block_mac import BlockMac
 
 MAGIC = b"KVTB"
 NAMESPACE_NBYTES = 16
 MAX_KEY_NBYTES = 255
 MAX_ENCODING_NBYTES = 15
 MAX_TOKENS = 65535
-_FIXED = struct.Struct("<4sHBBH16sQQ")
+MAX_MAC_NBYTES = MAC_NBYTES
+_FIXED = struct.Struct("<4sHBBHB16sQQ")
 _CHECKSUM = struct.Struct("<Q")
 _U64 = 2**64
 
@@ -43,15 +54,15 @@ Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buf
 class CorruptBlock(KvtierError):
     """Stored bytes that are not a valid block; the caller treats the block as a miss.
 
-    `reason` is one of: "magic" (not a block header), "version" (another format version),
-    "truncated" (fewer bytes than the header or payload needs), "header-checksum" (a header
-    byte changed), "field" (a checksummed but impossible field), "size" (the payload length
+    `reason` is a `Reason`: MAGIC (not a block header), VERSION (another format version),
+    TRUNCATED (fewer bytes than the header or payload needs), HEADER_CHECKSUM (a header
+    byte changed), FIELD (a checksummed but impossible field), SIZE (the payload length
     differs from what the header or the slot allows).
     """
 
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"corrupt KV block ({reason}): {detail}")
-        self.reason = reason
+    def __init__(self, reason: Reason | str, detail: str) -> None:
+        self.reason = Reason(reason)  # a bounded label: ValueError for anything else
+        super().__init__(f"corrupt KV block ({self.reason.value}): {detail}")
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class BlockHeader:
     payload_nbytes: int
     checksum: int
     encoding: str = ""  # "" = exact KV bytes; else an opaque lossy-encoding tag ("int8")
+    mac: bytes = b""  # remote blocks under a secret: MAC_NBYTES (block_mac.py); else empty
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, bytes) or len(self.namespace) != NAMESPACE_NBYTES:
@@ -79,6 +91,9 @@ class BlockHeader:
                 or len(self.encoding) > MAX_ENCODING_NBYTES):
             raise ValueError(f"encoding must be ascii of at most {MAX_ENCODING_NBYTES} "
                              f"characters, got {self.encoding!r}")
+        if not isinstance(self.mac, bytes) or len(self.mac) > MAX_MAC_NBYTES:
+            raise ValueError(f"mac must be at most {MAX_MAC_NBYTES} bytes, got "
+                             f"{len(self.mac) if isinstance(self.mac, bytes) else self.mac!r}")
 
 
 def _token_array(tokens: Sequence[int]) -> array:
@@ -96,7 +111,7 @@ def _token_array(tokens: Sequence[int]) -> array:
 
 def encoded_header_nbytes(h: BlockHeader) -> int:
     """Length of `encode_header(h)`: where the payload starts in a packed blob."""
-    return (_FIXED.size + len(h.key) + len(h.encoding) + 4 * len(h.tokens)
+    return (_FIXED.size + len(h.key) + len(h.encoding) + 4 * len(h.tokens) + len(h.mac)
             + _CHECKSUM.size)
 
 
@@ -105,20 +120,31 @@ def max_header_nbytes(block_size: int) -> int:
     if not 0 <= block_size <= MAX_TOKENS:
         raise ValueError(f"block_size must be in [0, {MAX_TOKENS}], got {block_size}")
     return (_FIXED.size + MAX_KEY_NBYTES + MAX_ENCODING_NBYTES + 4 * block_size
-            + _CHECKSUM.size)
+            + MAX_MAC_NBYTES + _CHECKSUM.size)
 
 
-def encode_header(h: BlockHeader) -> bytes:
-    """The header's bytes, ending with a checksum of everything before it."""
+def _fields(h: BlockHeader, mac_len: int) -> bytes:
+    """The header's bytes up to its MAC: fixed part, key, encoding, token ids."""
     tokens = _token_array(h.tokens)
     if sys.byteorder == "big":
         tokens.byteswap()
     encoding = h.encoding.encode("ascii")
-    body = b"".join([
-        _FIXED.pack(MAGIC, FORMAT_VERSION, len(h.key), len(encoding), len(tokens),
+    return b"".join([
+        _FIXED.pack(MAGIC, FORMAT_VERSION, len(h.key), len(encoding), len(tokens), mac_len,
                     h.namespace, h.payload_nbytes, h.checksum),
         h.key, encoding, tokens.tobytes(),
     ])
+
+
+def signed_fields(h: BlockHeader) -> bytes:
+    """What a block's MAC covers before its payload: every header field, encoded as it is
+    stored with a full-length MAC (so mac_len itself is covered too)."""
+    return _fields(h, MAC_NBYTES)
+
+
+def encode_header(h: BlockHeader) -> bytes:
+    """The header's bytes, ending with a checksum of everything before it."""
+    body = _fields(h, len(h.mac)) + h.mac
     return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
@@ -126,38 +152,39 @@ def decode_header(buf: Buffer) -> BlockHeader:
     """Parse the header at the start of `buf` (trailing bytes are ignored); CorruptBlock."""
     mv = as_bytes(buf)
     if len(mv) < len(MAGIC):
-        raise CorruptBlock("truncated", f"{len(mv)} bytes cannot hold a block header")
+        raise CorruptBlock(Reason.TRUNCATED, f"{len(mv)} bytes cannot hold a block header")
     if mv[:len(MAGIC)] != MAGIC:
-        raise CorruptBlock("magic", f"starts with {bytes(mv[:len(MAGIC)])!r}, not {MAGIC!r}")
+        raise CorruptBlock(Reason.MAGIC, f"starts with {bytes(mv[:len(MAGIC)])!r}, not {MAGIC!r}")
     if len(mv) < _FIXED.size:
-        raise CorruptBlock("truncated", f"{len(mv)} bytes, the fixed header is {_FIXED.size}")
-    (_, version, key_len, enc_len, num_tokens, namespace, payload_nbytes,
+        raise CorruptBlock(Reason.TRUNCATED, f"{len(mv)} bytes, the fixed header is {_FIXED.size}")
+    (_, version, key_len, enc_len, num_tokens, mac_len, namespace, payload_nbytes,
      checksum) = _FIXED.unpack_from(mv)
     if version != FORMAT_VERSION:
-        raise CorruptBlock("version", f"format version {version}, this is {FORMAT_VERSION}")
-    end = _FIXED.size + key_len + enc_len + 4 * num_tokens
+        raise CorruptBlock(Reason.VERSION, f"format version {version}, this is {FORMAT_VERSION}")
+    tokens_end = _FIXED.size + key_len + enc_len + 4 * num_tokens
+    end = tokens_end + mac_len
     if len(mv) < end + _CHECKSUM.size:
-        raise CorruptBlock("truncated", f"{len(mv)} bytes, the header needs "
-                                        f"{end + _CHECKSUM.size}")
+        raise CorruptBlock(Reason.TRUNCATED,
+                           f"{len(mv)} bytes, the header needs {end + _CHECKSUM.size}")
     (stored,) = _CHECKSUM.unpack_from(mv, end)
     actual = xxhash.xxh3_64_intdigest(mv[:end])
     if stored != actual:
-        raise CorruptBlock("header-checksum", f"header checksum {stored:#018x} != "
-                                              f"{actual:#018x} of its bytes")
+        raise CorruptBlock(Reason.HEADER_CHECKSUM,
+                           f"header checksum {stored:#018x} != {actual:#018x} of its bytes")
     pos = _FIXED.size
     key = bytes(mv[pos:pos + key_len])
     pos += key_len
     encoding_bytes = bytes(mv[pos:pos + enc_len])
     pos += enc_len
     tokens = array("I")
-    tokens.frombytes(mv[pos:end])
+    tokens.frombytes(mv[pos:tokens_end])
     if sys.byteorder == "big":
         tokens.byteswap()
     try:
         return BlockHeader(namespace, key, tuple(tokens), payload_nbytes, checksum,
-                           encoding_bytes.decode("ascii"))
+                           encoding_bytes.decode("ascii"), bytes(mv[tokens_end:end]))
     except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptBlock("field", str(e)) from None
+        raise CorruptBlock(Reason.FIELD, str(e)) from None
 
 
 def as_bytes(data: Buffer) -> memoryview:
@@ -176,32 +203,41 @@ def payload_checksum(payload: Buffer) -> int:
 
 
 def check(header: BlockHeader, *, namespace: bytes, key: bytes, tokens: Sequence[int],
-          payload: Buffer) -> str | None:
+          payload: Buffer, mac: BlockMac | None = None) -> Reason | None:
     """Why this block must not be served for (namespace, key, tokens), or None if it is good.
 
-    Reasons: "fingerprint", "key", "tokens", "size", "checksum"; the checksum, the only
-    check that reads every payload byte, is last.
+    Reasons: FINGERPRINT, KEY, TOKENS, SIZE, then the one pass over the payload. Without
+    `mac`: CHECKSUM. With it the MAC is that pass (a valid MAC implies the checksum its
+    writer computed); only a block that fails it is checksummed too, to tell a damaged block
+    (CHECKSUM) from one no holder of this secret wrote (MAC).
     """
     if header.namespace != namespace:
-        return "fingerprint"
+        return Reason.FINGERPRINT
     if header.key != key:
-        return "key"
+        return Reason.KEY
     if header.tokens != tuple(tokens):
-        return "tokens"
+        return Reason.TOKENS
     data = as_bytes(payload)
     if len(data) != header.payload_nbytes:
-        return "size"
+        return Reason.SIZE
+    if mac is not None:
+        if mac.verify(signed_fields(header), data, header.mac):
+            return None
+        return Reason.CHECKSUM if payload_checksum(data) != header.checksum else Reason.MAC
     if payload_checksum(data) != header.checksum:
-        return "checksum"
+        return Reason.CHECKSUM
     return None
 
 
-def pack(header: BlockHeader, payload: Buffer) -> bytes:
-    """Header then payload as one blob (a Redis value); ValueError if the size disagrees."""
+def pack(header: BlockHeader, payload: Buffer, mac: BlockMac | None = None) -> bytes:
+    """Header then payload as one blob (a Redis value), the header signed with `mac` if
+    given; ValueError if the size disagrees."""
     data = as_bytes(payload)
     if len(data) != header.payload_nbytes:
         raise ValueError(f"payload is {len(data)} bytes, the header says "
                          f"{header.payload_nbytes}")
+    if mac is not None:
+        header = replace(header, mac=mac.sign(signed_fields(header), data))
     return b"".join([encode_header(header), data])
 
 
@@ -211,11 +247,11 @@ def unpack(blob: Buffer) -> tuple[BlockHeader, memoryview]:
     header = decode_header(mv)
     payload = mv[encoded_header_nbytes(header):]
     if len(payload) < header.payload_nbytes:
-        raise CorruptBlock("truncated", f"payload is {len(payload)} bytes, the header says "
-                                        f"{header.payload_nbytes}")
+        raise CorruptBlock(Reason.TRUNCATED, f"payload is {len(payload)} bytes, the header "
+                                             f"says {header.payload_nbytes}")
     if len(payload) > header.payload_nbytes:
-        raise CorruptBlock("size", f"{len(payload) - header.payload_nbytes} bytes follow "
-                                   f"the {header.payload_nbytes}-byte payload")
+        raise CorruptBlock(Reason.SIZE, f"{len(payload) - header.payload_nbytes} bytes "
+                                        f"follow the {header.payload_nbytes}-byte payload")
     return header, payload
 
 

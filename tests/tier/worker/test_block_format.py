@@ -153,7 +153,8 @@ def test_other_format_version_and_garbage_are_refused() -> None:
 
 def test_largest_header_fits_its_bound() -> None:
     tokens = [2**32 - 1] * 65535
-    h = BlockHeader(NS, b"k" * 255, tuple(tokens), 0, payload_checksum(b""), "e" * 15)
+    h = BlockHeader(NS, b"k" * 255, tuple(tokens), 0, payload_checksum(b""), "e" * 15,
+                    b"m" * 32)  # the longest key, encoding, token ids and MAC
     encoded = encode_header(h)
     assert len(encoded) == max_header_nbytes(65535)
     assert decode_header(encoded) == h

