@@ -18,7 +18,7 @@ test: $(STAMP)
 	bash scripts/vllm_env.sh .venv-vllm
 	$(BIN)/ruff check kvtier tests benchmarks scripts
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) .venv-vllm
