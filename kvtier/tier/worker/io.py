@@ -10,12 +10,12 @@ this thread before its row is handed back: header, fingerprint, key, token ids a
 checksum (`block_format.check`), and for Redis under a secret its MAC (`block_mac.py`). A
 block that fails is invalidated where it lives (the disk slot's header is wiped, the Redis
 key deleted) so it is never read again. After a failure nothing of that prefix is served
-(a prefix cannot skip a block), but its remaining disk blocks are still read and verified,
-so every bad one leaves the index in one fetch; its remaining Redis blocks (already in this
-job's MGETs) are left unverified, SKIPPED. I/O errors and an unreachable Redis are failures
-of the job's keys, never exceptions out of this thread. Every reason is a bounded `Reason`;
-the text of an error (strerror, an exception) is logged once per tier and reason, never a
-label.
+(a prefix cannot skip a block), but its remaining blocks are still verified (disk blocks
+read, Redis blocks already in this job's MGETs: no extra round trip), so every bad one
+leaves its tier in one fetch: a forged prefix is deleted whole, not a block per wake.
+I/O errors and an unreachable Redis are failures of the job's keys, never exceptions out
+of this thread. Every reason is a bounded `Reason`; the text of an error (strerror, an
+exception) is logged once per tier and reason, never a label.
 
 Only the remote tier carries a MAC. Whoever can write a shared Redis is another party; the
 disk tier's slot file is 0600 in a 0700 directory owned by the serving user, so whoever can
@@ -226,8 +226,8 @@ class TierIO:
         failed = False  # after a failure no block counts (a prefix cannot skip a block)
         for i, (key, tokens, slot, tier) in enumerate(
                 zip(job.keys, job.tokens, job.host_slots, job.media)):
-            if failed and tier != DISK:
-                continue  # a Redis block after a failure: left unverified, SKIPPED
+            if failed and tier != DISK and blobs.get(key) is None:
+                continue  # not fetched (or absent): nothing of it to verify, SKIPPED
             row = self.host.tensor[slot]
             fault = self.fault(job, i) if self.fault is not None else None
             reason = Reason(fault) if fault is not None else None
