@@ -54,6 +54,24 @@ def hf_smollm2() -> Any:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM environment's python (tests/integrations; skipped without it outside CI)."""
+    from vllm_run import vllm_or_skip  # tests/integrations is on sys.path once collected
+
+    return vllm_or_skip()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2 exported once as a Hugging Face directory for every vLLM test
+    (read only: a test that changes weights copies it first)."""
+    from kvtier.model.export import export_hf
+    from kvtier.model.loader import load_model
+
+    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     from kvtier.model.loader import load_model
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from disk_file import flip_payload_byte
 from redis_server import RedisServer, redis_server_binary
-from vllm_run import KV_BYTES_PER_BLOCK, parse, prompts, results, run_vllm, vllm_or_skip
+from vllm_run import KV_BYTES_PER_BLOCK, parse, prompts, results, run_vllm
 
 from kvtier.tier import TierConfig
 
@@ -22,19 +22,6 @@ HOST = {"kv_offloading_size": 0.25}  # GiB: 45 blocks of 5.9 MB
 POOL = 24  # vLLM's own blocks
 FULL = 7 * 128  # so every full block but the last can come from a cache
 DISK_GIB = 0.1  # 17 slots of 5.9 MB
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    return vllm_or_skip()
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.model.export import export_hf
-    from kvtier.model.loader import load_model
-
-    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
 
 
 @pytest.fixture(scope="module")

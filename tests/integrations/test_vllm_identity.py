@@ -15,7 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 from redis_server import RedisServer, redis_server_binary
-from vllm_run import parse, prompts, run_vllm, vllm_or_skip
+from vllm_run import parse, prompts, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -23,19 +23,6 @@ POOL = 24  # vLLM's own 128-token blocks
 FULL = 7 * 128  # every full block of the 1024-token prompt but the last
 V_PROJ = "model.layers.0.self_attn.v_proj.weight"
 LORA_RANK = 8
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    return vllm_or_skip()
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.model.export import export_hf
-    from kvtier.model.loader import load_model
-
-    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
 
 
 @pytest.fixture
@@ -93,8 +80,8 @@ def header(file: Path) -> bytes:
 
 
 def test_a_scaled_tensor_restores_nothing_from_disk_or_redis(
-        vllm_python: Path, exported: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
-    model = Path(shutil.copytree(exported, tmp_path / "model"))
+        vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    model = Path(shutil.copytree(smollm2_hf, tmp_path / "model"))
     digests = tmp_path / "digests"
     old = serve_a(vllm_python, model, tiers, digests)  # A's blocks go down to disk and Redis
     assert_written_down(old)
@@ -131,16 +118,16 @@ def write_adapter(path: Path, model: Path, seed: int) -> Path:
 
 
 def test_an_adapter_replaced_under_its_name_restores_nothing(
-        vllm_python: Path, exported: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+        vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
     digests = tmp_path / "digests"
-    path = write_adapter(tmp_path / "adapters" / "ad", exported, seed=1)
+    path = write_adapter(tmp_path / "adapters" / "ad", smollm2_hf, seed=1)
     lora = {"name": "ad", "path": str(path), "rank": LORA_RANK}
-    v1 = serve_a(vllm_python, exported, tiers, digests, evict_and_wake=True, lora=lora)
+    v1 = serve_a(vllm_python, smollm2_hf, tiers, digests, evict_and_wake=True, lora=lora)
     assert v1["metrics"]["vllm:kvtier_written_blocks{tier=disk}"] >= 8
     again = v1["again"]  # the control: the adapter's KV is cached and restored at all
     assert again["kv_transfer_params"]["kvtier_restored_tokens"] == again["cached"] == FULL
     assert again["tokens"] == v1["tokens"]
-    write_adapter(path, exported, seed=2)  # v2, same name, same path
-    v2 = serve_a(vllm_python, exported, tiers, digests, lora=lora)
+    write_adapter(path, smollm2_hf, seed=2)  # v2, same name, same path
+    v2 = serve_a(vllm_python, smollm2_hf, tiers, digests, lora=lora)
     assert_restored_nothing(v2)
     assert (v1["tokens"], v1["logprobs"]) != (v2["tokens"], v2["logprobs"])

@@ -13,26 +13,13 @@ from typing import Any
 import pytest
 from forged_block import forge_all
 from redis_server import RedisServer
-from vllm_run import parse, prompts, run_vllm, vllm_or_skip
+from vllm_run import parse, prompts, run_vllm
 
 pytestmark = pytest.mark.vllm
 
 HOST = {"kv_offloading_size": 0.25}  # GiB: 45 blocks of 5.9 MB
 POOL = 24  # vLLM's own blocks
 FULL_BLOCKS = 8  # a 1024-token prompt
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    return vllm_or_skip()
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.model.export import export_hf
-    from kvtier.model.loader import load_model
-
-    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
 
 
 def serve_a(python: Path, model: Path, connector: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_run import parse, run_vllm, vllm_or_skip
+from vllm_run import parse, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -19,19 +19,6 @@ DISK_GIB = DISK_SLOTS * SLOT_BYTES / 2**30
 # The slot file and 8 MiB more: the old read-rate calibration (47 MB of scratch beside the
 # file) died here with "No space left on device".
 TMPFS_BYTES = DISK_SLOTS * SLOT_BYTES + 4096 + (8 << 20)
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    return vllm_or_skip()
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.model.export import export_hf
-    from kvtier.model.loader import load_model
-
-    return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
 
 
 @pytest.fixture

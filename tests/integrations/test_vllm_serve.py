@@ -5,24 +5,21 @@ the /metrics the server exports."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from vllm_run import KV_BYTES_PER_BLOCK, VllmServer, prompts, vllm_or_skip
+from vllm_run import KV_BYTES_PER_BLOCK, VllmServer, prompts
 
 pytestmark = pytest.mark.vllm
 FULL = 7 * 128
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    vllm_or_skip()
-    from kvtier.model.export import export_hf
-    from kvtier.model.loader import load_model
-
+def server(smollm2_hf: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[VllmServer]:
     tmp = tmp_path_factory.mktemp("serve")
-    model = export_hf(load_model(None), tmp / "smollm2-135m")
-    s = VllmServer(model, {"kv_offloading_size": 0.25}, 24, tmp / "vllm.log").start()
+    s = VllmServer(smollm2_hf, {"kv_offloading_size": 0.25}, 24, tmp / "vllm.log").start()
     yield s
     s.close()
 
