@@ -6,6 +6,7 @@ each request. The connector's tests (tests/integrations) and benchmark run it as
 CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
               "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
               "concurrent": [[ids], ...] (sent at once, before "prompts"), "max_num_seqs": 4,
+              "salts": [str | null, ...] (a cache_salt per prompt),
               "kv_bytes_per_block": N, "metrics": true,
               "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
@@ -64,11 +65,14 @@ def main() -> int:
         together = [{"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens}
                     for r in done]
     out = []
-    for ids in spec["prompts"]:
+    salts = spec.get("salts") or [None] * len(spec["prompts"])  # per prompt: a cache_salt
+    for ids, salt in zip(spec["prompts"], salts):
         t = time.perf_counter()
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if salt is not None:
+            prompt["cache_salt"] = salt
         try:
-            [r] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
-                               lora_request=lora)
+            [r] = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         except Exception as e:  # a request the engine failed: report it, keep serving
             out.append({"error": f"{type(e).__name__}: {e}"[:500]})
             continue

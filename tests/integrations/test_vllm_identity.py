@@ -15,7 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 from redis_server import RedisServer, redis_server_binary
-from vllm_run import parse, prompts, run_vllm
+from vllm_run import ONE_PROCESS, parse, prompts, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -41,13 +41,16 @@ def tiers(tmp_path: Path, redis_url: str) -> dict[str, Any]:
 
 
 def serve_a(python: Path, model: Path, connector: dict[str, Any] | None, digests: Path,
-            evict_and_wake: bool = False, **spec: Any) -> dict[str, Any]:
-    """One vLLM process serving prompt A (then, with `evict_and_wake`, evicting it and
-    serving it again: "again" is that second answer); its result and kvtier's metrics."""
-    asked = prompts() if evict_and_wake else prompts()[:1]
-    run = parse(run_vllm(python, model, {"connector": connector, "blocks": POOL,
+            evict_and_wake: bool = False, tokens: int = 1024, blocks: int = POOL,
+            **spec: Any) -> dict[str, Any]:
+    """One vLLM process serving prompt A of `tokens` (then, with `evict_and_wake`, evicting
+    it from a pool of `blocks` and serving it again: "again" is that second answer); its
+    result and kvtier's metrics."""
+    every = prompts(n_evictors=3 if tokens < 1024 else 4, tokens=tokens)
+    asked = every if evict_and_wake else every[:1]
+    run = parse(run_vllm(python, model, {"connector": connector, "blocks": blocks,
                                          "prompts": asked, "metrics": True, **spec},
-                         env={"KVTIER_CACHE_DIR": str(digests)}).stdout)
+                         env={**ONE_PROCESS, "KVTIER_CACHE_DIR": str(digests)}).stdout)
     return {**run["results"][0], "again": run["results"][-1], "metrics": run["metrics"]}
 
 
@@ -122,12 +125,14 @@ def test_an_adapter_replaced_under_its_name_restores_nothing(
     digests = tmp_path / "digests"
     path = write_adapter(tmp_path / "adapters" / "ad", smollm2_hf, seed=1)
     lora = {"name": "ad", "path": str(path), "rank": LORA_RANK}
-    v1 = serve_a(vllm_python, smollm2_hf, tiers, digests, evict_and_wake=True, lora=lora)
-    assert v1["metrics"]["vllm:kvtier_written_blocks{tier=disk}"] >= 8
+    # LoRA prefill is slow on CPU: 512-token prompts (4 blocks), three evictors, 12 blocks
+    short = {"tokens": 512, "blocks": 12, "max_model_len": 1024, "lora": lora}
+    v1 = serve_a(vllm_python, smollm2_hf, tiers, digests, evict_and_wake=True, **short)
+    assert v1["metrics"]["vllm:kvtier_written_blocks{tier=disk}"] >= 4
     again = v1["again"]  # the control: the adapter's KV is cached and restored at all
-    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == again["cached"] == FULL
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == again["cached"] == 3 * 128
     assert again["tokens"] == v1["tokens"]
     write_adapter(path, smollm2_hf, seed=2)  # v2, same name, same path
-    v2 = serve_a(vllm_python, smollm2_hf, tiers, digests, lora=lora)
+    v2 = serve_a(vllm_python, smollm2_hf, tiers, digests, **short)
     assert_restored_nothing(v2)
     assert (v1["tokens"], v1["logprobs"]) != (v2["tokens"], v2["logprobs"])

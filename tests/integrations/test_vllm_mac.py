@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from forged_block import forge_all
 from redis_server import RedisServer
-from vllm_run import parse, prompts, run_vllm
+from vllm_run import ONE_PROCESS, parse, prompts, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -25,7 +25,7 @@ FULL_BLOCKS = 8  # a 1024-token prompt
 def serve_a(python: Path, model: Path, connector: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """One vLLM serving prompt A with kvtier: (its result and metrics, everything it printed)."""
     proc = run_vllm(python, model, {"connector": connector, "blocks": POOL,
-                                    "prompts": prompts()[:1], "metrics": True})
+                                    "prompts": prompts()[:1], "metrics": True}, env=ONE_PROCESS)
     run = parse(proc.stdout)
     return {**run["results"][0], "metrics": run["metrics"]}, proc.stdout + proc.stderr
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_run import parse, run_vllm
+from vllm_run import ONE_PROCESS, parse, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -37,10 +37,10 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_small_tmpfs_that_fits_the_disk_tier_serves_after_a_restart_and_16_clients_count_once(
+def test_a_small_tmpfs_disk_serves_after_a_restart_16_clients_count_once_salts_stay_apart(
         vllm_python: Path, smollm2_hf: Path, small_tmpfs: Path) -> None:
     rng = random.Random(7)
-    clients = [[rng.randrange(100, 49000) for _ in range(512)] for _ in range(16)]
+    clients = [[rng.randrange(100, 49000) for _ in range(256)] for _ in range(16)]
     last = [rng.randrange(100, 49000) for _ in range(1024)]
     connector = {"kv_offloading_size": 0.25, "disk_kv_path": str(small_tmpfs / "kv"),
                  "disk_kv_size": DISK_GIB}
@@ -48,18 +48,22 @@ def test_a_small_tmpfs_that_fits_the_disk_tier_serves_after_a_restart_and_16_cli
     # asks the connector again each step), then one prompt whose 8 blocks go down last.
     first = parse(run_vllm(vllm_python, smollm2_hf, {
         "connector": connector, "blocks": 24, "max_num_seqs": 16, "concurrent": clients,
-        "prompts": [last], "metrics": True}).stdout)
+        "prompts": [last], "metrics": True}, env=ONE_PROCESS).stdout)
     offered = sum(map(len, clients)) + len(last)
     m = first["metrics"]
     assert 0 < m["vllm:kvtier_lookup_tokens"] <= offered  # once per request, not per retry
     assert m["vllm:kvtier_written_blocks{tier=disk}"] >= 8
     assert not any(k.startswith("vllm:kvtier_write_failures") for k in m)
-    # Process 2 on the same small filesystem finds the last prompt on disk, exactly.
+    # Process 2 on the same small filesystem finds the last prompt on disk, exactly; then the
+    # same tokens under a cache_salt find nothing, though kvtier's host now holds them.
     second = parse(run_vllm(vllm_python, smollm2_hf, {
-        "connector": connector, "blocks": 24, "prompts": [last], "metrics": True}).stdout)
-    [woken] = second["results"]
+        "connector": connector, "blocks": 24, "prompts": [last, last],
+        "salts": [None, "tenant-b"], "metrics": True}, env=ONE_PROCESS).stdout)
+    woken, salted = second["results"]
     assert woken["kv_transfer_params"]["kvtier_residency"] == "disk"
     assert woken["kv_transfer_params"]["kvtier_restored_tokens"] == 7 * 128
+    assert salted["kv_transfer_params"]["kvtier_restored_tokens"] == salted["cached"] == 0
+    assert salted["tokens"] == woken["tokens"]
     # the same tokens as process 1 computed them from scratch (a different compute path:
     # logprobs agree to float rounding, not bit for bit)
     assert woken["tokens"] == first["results"][0]["tokens"]
