@@ -43,7 +43,7 @@ def wake_capacity(loaded: LoadedModel, k: int, session_tokens: int, bs: int) -> 
         kv_offloading_size=host_slots * block_bytes / 2**30 + 1e-9,
         kv_write_policy="write_back", max_num_batched_tokens=session_tokens + FOLLOW_UP,
     ), loaded=loaded)
-    assert engine.tier.enabled and engine.tier.worker.host.num_slots == host_slots
+    assert engine.tier.enabled and engine.tier.report().host.capacity == host_slots
     rng = random.Random(0)
     vocab = loaded.spec.vocab_size
     sessions = [[rng.randrange(100, vocab) for _ in range(session_tokens)]
@@ -101,7 +101,7 @@ def decode_under_offload(loaded: LoadedModel, batch: int, steps: int,
     engine.tier.submit()
     busy = timed(steps, require_busy=True)
     quiet_after = timed(steps, require_busy=False)
-    stats = engine.tier.worker.link_stats()
+    stats = engine.tier.worker.report().link
     engine.close()
     base = statistics.median(quiet + quiet_after)
     loaded_step = statistics.median(busy) if busy else float("nan")

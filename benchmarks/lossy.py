@@ -73,7 +73,7 @@ def host_wake(loaded: LoadedModel, session: list[int], follow: list[int],
         rid = engine.add_request(follow, params)
         out = engine.run_to_completion([rid])[rid]
         assert out.residency == "host", out.residency
-        return out.metrics.ttft_s or 0.0, int(engine.tier.worker.host.num_slots / 0.5)
+        return out.metrics.ttft_s or 0.0, int(engine.tier.report().host.capacity / 0.5)
     finally:
         engine.close()
 

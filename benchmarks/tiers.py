@@ -305,9 +305,8 @@ class Bench:
             assert a.tier.enabled
             a.drain()  # a user thinks for seconds: the write-through has landed
             a.demote_cached()  # the session went idle: its KV is on host only
-            planner = a.tier.manager.planner
-            decision = planner.decide(length, nbytes)
-            link = planner.calibration.link_gbps
+            decision = a.tier.manager.decide(length, nbytes)
+            link = a.tier.report().calibration["link_gbps"]
             out, cores = measured(a, session + tokens(rng, FOLLOW_UP, vocab), self.params)
             samples["host"].append(self.sample(out, cores, decision))
             samples["host"][-1].tier_gbps_before = link

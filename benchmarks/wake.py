@@ -90,8 +90,8 @@ def main() -> int:
         woken = {m: measure(engines[m], length, args.repeats, rng, vocab, "host")
                  for m in engines}
         copy_samples.append(copy_peak_gbps())
-        planner = e.tier.manager.planner
         nbytes = woken["async"][0].restore_bytes
+        predicted = e.tier.manager.decide(length + FOLLOW_UP, nbytes)  # the planner's view
         # The same bytes copied once by a bare tensor copy, right beside the restores: the
         # ceiling for this transfer size on this machine at this minute.
         same_size = copy_peak_gbps(mib=max(1, round(nbytes / 2**20)))
@@ -99,8 +99,8 @@ def main() -> int:
             "length": length, "restore_bytes": nbytes, "same_size_copy_gbps": same_size,
             "ttft_resident_s": median([o.metrics.ttft_s for o in resident]),
             "ttft_recompute_s": median([o.metrics.ttft_s for o in recomputed]),
-            "predicted_restore_s": planner.restore_s(nbytes),
-            "predicted_recompute_s": planner.recompute_s(length + FOLLOW_UP),
+            "predicted_restore_s": predicted.restore_s,
+            "predicted_recompute_s": predicted.recompute_s,
         }
         for m, outs in woken.items():
             row[f"ttft_host_{m}_s"] = median([o.metrics.ttft_s for o in outs])

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.output import RequestOutput
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
+from kvtier.tier import TierStats
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -90,49 +91,46 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
     if not tier.enabled:
         report["host_tier"] = report["tiers_below_host"] = None
         return report
-    manager, worker = tier.manager, tier.worker
-    t = worker.link_stats()
-    ts = manager.host.stats
-    ms = manager.stats
+    ms, wr = tier.report(), tier.worker_report()
+    ts, t, counts = ms.host, wr.link, ms.transfers
     report["host_tier"] = {
         "slots": {"used": ts.used, "capacity": ts.capacity, "pinned": ts.pinned},
         "occupancy": ts.used / ts.capacity if ts.capacity else 0.0,
-        "memory": worker.host.stats(),
+        "memory": dict(wr.memory),
         "link": {d: {"bytes": s.bytes, "busy_s": s.busy_s, "utilisation": s.utilisation,
                      "gbps": s.gbps, "jobs": s.jobs, "failures": s.failures}
                  for d, s in (("store", t.store), ("load", t.load))},
-        "stored_blocks": ms.stored_blocks, "loaded_blocks": ms.loaded_blocks,
+        "stored_blocks": counts.stored_blocks, "loaded_blocks": counts.loaded_blocks,
         "demoted_blocks": tier.demoted_blocks,
-        "failed_transfers": ms.failed_stores + ms.failed_loads,
-        "failed_loads": ms.failed_loads, "failed_stores": ms.failed_stores,
-        "store_refused": ms.store_refused, "tier_hits": ts.hits, "tier_evictions": ts.evictions,
-        "planner": {"calibration": vars(manager.planner.calibration),
-                    "error": manager.planner.error_report()},
+        "failed_transfers": counts.failed_stores + counts.failed_loads,
+        "failed_loads": counts.failed_loads, "failed_stores": counts.failed_stores,
+        "store_refused": counts.store_refused, "tier_hits": ts.hits,
+        "tier_evictions": ts.evictions,
+        "planner": {"calibration": dict(ms.calibration), "error": dict(ms.prediction_error)},
     }
-    report["tiers_below_host"] = below_host_stats(manager, worker.store_stats())
+    report["tiers_below_host"] = below_host_stats(ms, wr.stores)
     return report
 
 
-def below_host_stats(manager: Any, stores: dict[str, Any]) -> dict[str, Any] | None:
+def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any] | None:
     """The disk and remote tiers' traffic, misses by reason, occupancy and read rates."""
-    below = manager.below
-    if below is None:
+    b = ms.below
+    if b is None:
         return None
-    s = below.stats
     out: dict[str, Any] = {
-        "written_blocks": dict(s.written), "written_bytes": dict(s.written_bytes),
-        "write_failures": dict(s.write_failures), "encoding": below.encoding or None,
-        "fetched_blocks": dict(s.fetched), "fetched_bytes": dict(s.fetched_bytes),
-        "misses": dict(s.misses), "refused": s.refused,
-        "tier_gbps": dict(manager.planner.calibration.tier_gbps),
+        "written_blocks": dict(b.written_blocks), "written_bytes": dict(b.written_bytes),
+        "write_failures": dict(b.write_failures), "encoding": b.encoding or None,
+        "fetched_blocks": dict(b.fetched_blocks), "fetched_bytes": dict(b.fetched_bytes),
+        "misses": dict(b.misses), "refused": b.refused,
+        "tier_gbps": dict(ms.calibration["tier_gbps"]),
     }
-    if below.disk is not None:
-        d = below.disk.stats
+    if b.disk is not None:
+        d = b.disk
         out["disk"] = {"used_slots": d.used, "capacity_slots": d.capacity, "hits": d.hits,
                        "evictions": d.evictions, **stores.get("disk", {})}
-    if below.remote is not None:
-        r = below.remote.stats
+    if b.remote is not None:
+        r = b.remote
         out["remote"] = {"hits": r.hits, "stores": r.stores,
-                         "lookups_answered_absent": below.remote.presence.errors,
+                         "lookups_answered_absent": b.lookups_answered_absent,
                          **stores.get("remote", {})}
     return out

@@ -51,12 +51,12 @@ class _LinkSampler:
         tier = self.engine.tier
         if not tier.enabled or t - self.last_t < SAMPLE_S:
             return
-        s = tier.worker.link_stats()
+        s = tier.worker_report().link
         busy = (s.store.busy_s, s.load.busy_s)
         dt = t - self.last_t
         out.append({"t": t, "store_util": (busy[0] - self.last[0]) / dt,
                     "load_util": (busy[1] - self.last[1]) / dt})
-        self.host_peak = max(self.host_peak, tier.manager.host.stats.used)
+        self.host_peak = max(self.host_peak, tier.report().host.used)
         self.last_t, self.last = t, busy
 
 

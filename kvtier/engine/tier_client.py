@@ -31,6 +31,8 @@ from kvtier.tier import (
     StoreDone,
     Tier,
     TierConfig,
+    TierStats,
+    WorkerReport,
     build,
 )
 
@@ -41,12 +43,12 @@ PREFILL_OBSERVE_TOKENS = 64  # steps with at least this much prefill refine the 
 class TierClient:
     """A tier under kvtier's device pool."""
 
-    def __init__(self, tier: Tier, pool: BlockPool) -> None:
+    def __init__(self, tier: Tier, pool: BlockPool, config: TierConfig) -> None:
         self.tier = tier
         self.manager = tier.manager
         self.worker = tier.worker
         self.pool = pool
-        self.config: TierConfig = tier.manager.config
+        self.config = config  # what the tier was built from
         self.demoted_blocks = 0  # idle blocks whose device copy was dropped
         self._stalls: dict[str, float] = {}  # request id -> layerwise wait in the last step
 
@@ -64,7 +66,7 @@ class TierClient:
             )
         tier = build(config.offload, KVLayout.from_contiguous(runner.kv), namespace,
                      runner.block_size, measure_prefill(runner))
-        return cls(tier, pool)
+        return cls(tier, pool, config.offload)
 
     # -- what the scheduler asks ---------------------------------------------------------
 
@@ -82,7 +84,13 @@ class TierClient:
 
     @property
     def below_host(self) -> bool:
-        return self.manager.below is not None
+        return self.manager.below_host
+
+    def report(self) -> TierStats:
+        return self.manager.report()
+
+    def worker_report(self) -> WorkerReport:
+        return self.worker.report()
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
@@ -103,7 +111,7 @@ class TierClient:
 
     def swap_worth_it(self, tokens: int, num_blocks: int, mode: str) -> bool:
         """Whether a preempted sequence's KV should go to host rather than be recomputed."""
-        decision = self.manager.planner.decide(tokens, num_blocks * self.block_bytes, mode)
+        decision = self.manager.decide(tokens, num_blocks * self.block_bytes, mode)
         return decision.choice == "restore"
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
@@ -177,8 +185,8 @@ class TierClient:
         sequence) or a presence answer comes: block on the oldest."""
         self.submit()
         results = self.worker.wait_any()
-        if not results and self.manager.below is not None:
-            self.manager.below.wait_presence()
+        if not results:
+            self.manager.wait_presence()
         return self._apply(results)
 
     def _apply(self, results: Sequence[Any]) -> list[Event]:
@@ -229,8 +237,7 @@ class TierClient:
         """Score and refine the planner's recompute estimate on steps that are mostly prefill."""
         prefill = sum(s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1)
         if prefill >= PREFILL_OBSERVE_TOKENS and prefill >= 0.9 * batch.num_batched_tokens:
-            planner = self.manager.planner
-            planner.observe_prefill(prefill, seconds, planner.recompute_s(prefill))
+            self.manager.observe_prefill(prefill, seconds)
 
     @property
     def busy(self) -> bool:
@@ -248,11 +255,11 @@ class TierClient:
         """Before a clean exit with a disk or remote tier: every cached block still only on
         device or host goes down (two hops) and the disk is synced, so the next process (or
         another one sharing the Redis) finds it."""
-        if self.manager.below is None:
+        if not self.manager.below_host:
             return []
         events = self.drain()
         events += self._flush()  # what only host holds goes down first: the batches evict it
-        batch = max(1, self.manager.host.num_slots // 2)  # a host smaller than the device
+        batch = max(1, self.manager.host_slots // 2)  # a host smaller than the device
         for _ in range(-(-self.pool.num_blocks // batch)):  # bounded: stores may fail
             if not self.demote_all(batch):  # demoted blocks leave the device cache
                 break

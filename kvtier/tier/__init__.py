@@ -5,6 +5,8 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   Tier.manager   TierManager, scheduler side, no tensors: match / fetch / allocated /
                  store / finished / take_jobs / apply
   Tier.worker    TierWorker, bytes side: submit / poll / wait / wait_any / wait_layer / close
+  TierStats      TierManager.report(): the scheduler side's counters, one frozen snapshot
+  WorkerReport   TierWorker.report(): the link's traffic, host memory, the stores' state
   KVLayout       the engine's KV memory: from_contiguous(kv) or from_layers({name: tensor})
   Fingerprint    the namespace every block key is chained from (change a field: no old hit)
   Job, Result, LoadDone, FetchDone, StoreDone   what crosses between the two sides
@@ -22,6 +24,7 @@ from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import NO_MATCH, Match, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
+from kvtier.tier.report import BelowReport, TierStats, TransferCounts
 
 if TYPE_CHECKING:
     from kvtier.tier.wiring import (
@@ -31,11 +34,12 @@ if TYPE_CHECKING:
         build_scheduler_side,
         build_worker_side,
     )
-    from kvtier.tier.worker.worker import TierWorker
+    from kvtier.tier.worker.worker import TierWorker, WorkerReport
 
 __all__ = [
     "NO_MATCH",
     "SAFE_RAM_SHARE",
+    "BelowReport",
     "BlockKey",
     "Calibration",
     "Choice",
@@ -56,7 +60,10 @@ __all__ = [
     "Tier",
     "TierConfig",
     "TierManager",
+    "TierStats",
     "TierWorker",
+    "TransferCounts",
+    "WorkerReport",
     "build",
     "build_scheduler_side",
     "build_worker_side",
@@ -75,8 +82,8 @@ def __getattr__(name: str) -> Any:
         from kvtier.tier import wiring
 
         return getattr(wiring, name)
-    if name == "TierWorker":
-        from kvtier.tier.worker.worker import TierWorker
+    if name in ("TierWorker", "WorkerReport"):
+        from kvtier.tier.worker import worker
 
-        return TierWorker
+        return getattr(worker, name)
     raise AttributeError(f"module 'kvtier.tier' has no attribute {name!r}")

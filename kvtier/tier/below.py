@@ -23,6 +23,7 @@ from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.remote import RemoteTier
 from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Result
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.report import BelowReport
 
 log = logging.getLogger(__name__)
 DISK, REMOTE = Medium.DISK, Medium.REMOTE
@@ -64,6 +65,19 @@ class BelowHost:
         if disk is not None:  # found on disk at start and refused: misses, by reason
             for reason, n in disk.unusable_at_start.items():
                 self.stats.misses[f"{DISK.value}:{reason}"] += n
+
+    def report(self) -> BelowReport:
+        """A frozen snapshot of the traffic, misses and occupancy below host."""
+        s = self.stats
+        return BelowReport(
+            written_blocks=dict(s.written), written_bytes=dict(s.written_bytes),
+            write_failures=dict(s.write_failures), fetched_blocks=dict(s.fetched),
+            fetched_bytes=dict(s.fetched_bytes), misses=dict(s.misses), refused=s.refused,
+            encoding=self.encoding,
+            disk=self.disk.stats if self.disk is not None else None,
+            remote=self.remote.stats if self.remote is not None else None,
+            lookups_answered_absent=(self.remote.presence.errors if self.remote is not None
+                                     else 0))
 
     def take_jobs(self) -> list[Job]:
         jobs, self._outbox = self._outbox, []

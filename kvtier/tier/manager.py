@@ -11,6 +11,8 @@ Primitives, in the order a client calls them:
   finished(request)                 the request is gone: its per-request state is dropped
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
+and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
+observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy.
 Between a job's creation and its result, its host slots are pinned in the host index (and
 a deeper tier's slots in theirs): neither is evicted nor handed out again.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.tier.below import BelowHost
 from kvtier.tier.config import TierConfig
@@ -27,6 +29,7 @@ from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
 from kvtier.tier.planner import Decision, Planner
+from kvtier.tier.report import TierStats, TransferCounts
 
 
 @dataclass(frozen=True)
@@ -51,19 +54,6 @@ class Match:
 
 
 NO_MATCH = Match()
-
-
-@dataclass
-class TransferCounts:
-    """Device <-> host jobs by outcome, monotonic (for LLM.stats() and /metrics)."""
-
-    stored_blocks: int = 0
-    loaded_blocks: int = 0
-    stored_bytes: int = 0
-    loaded_bytes: int = 0
-    failed_stores: int = 0
-    failed_loads: int = 0
-    store_refused: int = 0  # stores the host tier could not make room for
 
 
 @dataclass
@@ -119,6 +109,37 @@ class TierManager:
     def busy(self) -> bool:
         """A job decided or running, or a presence answer awaited."""
         return bool(self._pending) or (self.below is not None and self.below.busy)
+
+    @property
+    def below_host(self) -> bool:
+        """Whether a tier below host memory (disk, Redis) is configured."""
+        return self.below is not None
+
+    @property
+    def host_slots(self) -> int:
+        return self.host.num_slots
+
+    def wait_presence(self) -> None:
+        """Block until the remote store has answered what was asked (or a short timeout)."""
+        if self.below is not None:
+            self.below.wait_presence()
+
+    def decide(self, tokens: int, nbytes: int, mode: str = "auto") -> Decision:
+        """The planner's restore-or-recompute verdict for `tokens` whose KV is `nbytes`."""
+        return self.planner.decide(tokens, nbytes, mode)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A measured prefill of `tokens`: scores and refines the recompute estimate."""
+        self.planner.observe_prefill(tokens, seconds, self.planner.recompute_s(tokens))
+
+    def report(self) -> TierStats:
+        """A frozen snapshot of everything the scheduler side counts (see report.py)."""
+        return TierStats(
+            host=self.host.stats, transfers=replace(self.stats),
+            calibration={**vars(self.planner.calibration),
+                         "tier_gbps": dict(self.planner.calibration.tier_gbps)},
+            prediction_error=self.planner.error_report(),
+            below=self.below.report() if self.below is not None else None)
 
     # -- match and load -----------------------------------------------------------------
 

@@ -105,7 +105,7 @@ class KvtierConnector(KVConnectorBase_V1):
         plan = _plan(vllm_config, kv_cache_config, self.config, self.settings)
         self.tier: SchedulerTier | None = None
         self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        self.worker_side: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}
         self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
@@ -115,7 +115,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            plan.fingerprint.namespace)
         else:
-            self.worker = WorkerSide(self.config, plan.expected, plan.namespace,
+            self.worker_side = WorkerSide(self.config, plan.expected, plan.namespace,
                                      plan.block_size, fail_loads=os.environ.get(FAULT_ENV) == "1")
 
     # -- scheduler side -----------------------------------------------------------------
@@ -205,14 +205,14 @@ class KvtierConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self.worker is not None
-        self.worker.register(kv_caches)
+        assert self.worker_side is not None
+        self.worker_side.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self.worker is not None
+        assert self.worker_side is not None
         meta = self._get_connector_metadata()
         if isinstance(meta, KvtierMetadata):
-            self.worker.load(meta.jobs)
+            self.worker_side.load(meta.jobs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -222,24 +222,24 @@ class KvtierConnector(KVConnectorBase_V1):
         return  # whole blocks are copied in wait_for_save, all layers at once
 
     def wait_for_save(self) -> None:
-        assert self.worker is not None
+        assert self.worker_side is not None
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvtierMetadata):
-                self.worker.save(meta.jobs)
+                self.worker_side.save(meta.jobs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors() if self.worker is not None else set()
+        return self.worker_side.take_load_errors() if self.worker_side is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self.worker is None:
+        if self.worker_side is None:
             return None
-        results = self.worker.take_results()
+        results = self.worker_side.take_results()
         return KvtierWorkerMetadata(tuple(results)) if results else None
 
     def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        if self.worker_side is not None:
+            self.worker_side.close()
         if self.tier is not None:
             self.tier.close()
 

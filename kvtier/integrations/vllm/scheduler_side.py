@@ -175,19 +175,19 @@ class SchedulerSide:
         return {key: value for key, value in {**counts, **delta}.items() if value}
 
     def _totals(self) -> dict[str, float]:
-        """The manager's monotonic counters, by the names vLLM's metrics carry."""
-        s = self.manager.stats
+        """The tier's monotonic counters (its report), by the names vLLM's metrics carry."""
+        report = self.manager.report()
+        s = report.transfers
         out: dict[str, float] = {
             "restore_bytes": s.loaded_bytes, "failed_loads": s.failed_loads,
             "stored_blocks": s.stored_blocks, "stored_bytes": s.stored_bytes,
             "failed_stores": s.failed_stores, "store_refused": s.store_refused}
-        below = self.manager.below
-        if below is not None:
-            b = below.stats
-            for name, counter in (("written_blocks", b.written),
+        b = report.below
+        if b is not None:
+            for name, counter in (("written_blocks", b.written_blocks),
                                   ("written_bytes", b.written_bytes),
                                   ("write_failures", b.write_failures),
-                                  ("fetched_blocks", b.fetched),
+                                  ("fetched_blocks", b.fetched_blocks),
                                   ("fetched_bytes", b.fetched_bytes)):
                 out.update({f"{name}|{tier}": n for tier, n in counter.items()})
             for label, n in b.misses.items():  # "tier:reason"

@@ -93,9 +93,9 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         layout = self.expected.check(kv_caches)
         worker = build_worker_side(self.config, layout, self.namespace, self.block_size)
-        if worker.host.num_slots != self.expected.host_slots:
+        if worker.host_slots != self.expected.host_slots:
             worker.close()
-            raise ConfigError(f"the host pool holds {worker.host.num_slots} slots but the "
+            raise ConfigError(f"the host pool holds {worker.host_slots} slots but the "
                               f"scheduler planned {self.expected.host_slots}; refusing to run")
         self.worker = worker
 

@@ -33,7 +33,7 @@ class PrepareStoreResult:
 
 
 @dataclass
-class TierStats:
+class IndexStats:
     """Counters (monotonic, in keys) and gauges a benchmark or /metrics reads."""
 
     lookups: int = 0  # keys examined by lookup (up to and including the first miss)
@@ -59,7 +59,7 @@ class Tier(Protocol):
     def num_slots(self) -> int: ...
 
     @property
-    def stats(self) -> TierStats: ...
+    def stats(self) -> IndexStats: ...
 
     def lookup(
         self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]] | None = None

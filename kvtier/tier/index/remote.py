@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.tier.index.base import TierStats
+from kvtier.tier.index.base import IndexStats
 from kvtier.tier.keys import BlockKey, Medium
 
 log = logging.getLogger(__name__)
@@ -96,12 +96,12 @@ class RemoteTier:
     def __init__(self, presence: RemotePresence) -> None:
         self.presence = presence
         self._writing: set[BlockKey] = set()
-        self._counts = TierStats()
+        self._counts = IndexStats()
 
     @property
-    def stats(self) -> TierStats:
+    def stats(self) -> IndexStats:
         s = self._counts
-        return TierStats(s.lookups, s.hits, s.stores, s.store_failures, s.loads,
+        return IndexStats(s.lookups, s.hits, s.stores, s.store_failures, s.loads,
                          s.load_failures, 0, s.collisions, 0, 0, len(self._writing))
 
     @property

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvtier.errors import ConfigError
-from kvtier.tier.index.base import PrepareStoreResult, TierStats
+from kvtier.tier.index.base import IndexStats, PrepareStoreResult
 from kvtier.tier.index.policy import make_policy
 from kvtier.tier.keys import BlockKey, Medium
 
@@ -43,10 +43,10 @@ class SlotTier:
         self._storing: set[BlockKey] = set()  # pinned, not yet visible to lookup
         self._pins: dict[BlockKey, int] = {}  # load pins of complete keys; absent means 0
         self._free: deque[int] = deque(range(num_slots))  # lowest slot first at start
-        self._counts = TierStats(capacity=num_slots)
+        self._counts = IndexStats(capacity=num_slots)
 
     @property
-    def stats(self) -> TierStats:
+    def stats(self) -> IndexStats:
         """A snapshot: counters so far plus the occupancy and pin gauges now."""
         return replace(
             self._counts, used=len(self._entries), pinned=len(self._storing) + len(self._pins)

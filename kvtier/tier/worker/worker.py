@@ -8,12 +8,15 @@ Primitives:
   wait_any() -> [Result]      block until some job finishes (the oldest link job first)
   wait_layer(job_id, layer)   a layerwise load's layer `layer` can be read (False: it failed)
   close() -> [Result]         stop both threads; the jobs that never ran come back failed
+  report() -> WorkerReport    the link's traffic, the host pool's memory, the stores' state
 Job ids are the manager's; a job's host slots and device blocks belong to the worker from
 submit until its result is delivered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.tier.jobs import Job, Result
@@ -31,6 +34,16 @@ if TYPE_CHECKING:  # the stores come with the tiers below host; Redis' client on
 IO_WAIT_S = 1.0  # how long wait_any sleeps on the I/O thread before the caller looks again
 
 
+@dataclass(frozen=True)
+class WorkerReport:
+    """What the bytes side reports of itself (the scheduler side's is `TierStats`)."""
+
+    link: TransferStats  # device <-> host traffic, both directions
+    memory: Mapping[str, Any]  # the host pool: bytes asked, allocated, pinned, resident
+    stores: Mapping[str, Any]  # "disk": path and size, "remote": errors and URL
+    host_slots: int
+
+
 class TierWorker:
     """Owns the host pool, the device link and the I/O to the tiers below host."""
 
@@ -44,6 +57,10 @@ class TierWorker:
     @property
     def layout(self) -> KVLayout:
         return self.link.layout
+
+    @property
+    def host_slots(self) -> int:
+        return self.host.num_slots
 
     def submit(self, job: Job) -> None:
         if job.below_host:
@@ -84,10 +101,11 @@ class TierWorker:
     def busy(self) -> bool:
         return bool(self._job_id) or (self.io is not None and self.io.busy)
 
-    def link_stats(self) -> TransferStats:
-        return self.link.stats()
+    def report(self) -> WorkerReport:
+        return WorkerReport(self.link.stats(), self.host.stats(), self._store_stats(),
+                            self.host.num_slots)
 
-    def store_stats(self) -> dict[str, Any]:
+    def _store_stats(self) -> dict[str, Any]:
         """What the stores below host say of themselves (for LLM.stats())."""
         out: dict[str, Any] = {}
         if self.disk is not None:

@@ -1,0 +1,58 @@
+"""What the tier's scheduler side reports of itself, as frozen snapshots.
+
+`TierManager.report() -> TierStats` (as vLLM's `OffloadingManager.get_stats()`): the host
+index's occupancy, the device <-> host jobs by outcome, the planner's calibration and its
+prediction error, and the traffic below host per medium with misses by medium and reason.
+`LLM.stats()`, `/metrics` and the vLLM connector's counters are all views of it, so no
+client reads the manager's parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.tier.index.base import IndexStats
+
+
+@dataclass
+class TransferCounts:
+    """Device <-> host jobs by outcome, monotonic (the manager's own counters)."""
+
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    failed_stores: int = 0
+    failed_loads: int = 0
+    store_refused: int = 0  # stores the host tier could not make room for
+
+
+@dataclass(frozen=True)
+class BelowReport:
+    """The tiers below host: traffic per medium value ("disk", "remote"), misses per
+    "medium:reason", and each index's occupancy."""
+
+    written_blocks: Mapping[str, int]
+    written_bytes: Mapping[str, int]  # as stored (8-bit where the host encodes)
+    write_failures: Mapping[str, int]
+    fetched_blocks: Mapping[str, int]
+    fetched_bytes: Mapping[str, int]
+    misses: Mapping[str, int]  # "disk:checksum" -> blocks found but not served
+    refused: int  # writes or fetches the host or disk tier had no room for
+    encoding: str  # "" exact, else the lossy encoding of every block below host
+    disk: IndexStats | None
+    remote: IndexStats | None
+    lookups_answered_absent: int  # remote presence questions a failing store answered
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One snapshot of the tier's scheduler side."""
+
+    host: IndexStats
+    transfers: TransferCounts  # a copy: later jobs do not change it
+    calibration: Mapping[str, Any]  # the planner's numbers now (tier_gbps among them)
+    prediction_error: Mapping[str, Mapping[str, float | int]]  # per kind: count, errors
+    below: BelowReport | None
