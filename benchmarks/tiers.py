@@ -65,7 +65,7 @@ from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
-from kvtier.tier.planner import Decision, Planner
+from kvtier.tier.planner import Decision
 from kvtier.tier.worker.disk_store import FILE_NAME
 from kvtier.tier.worker.probes import measure_disk_gbps, measure_remote_gbps
 from kvtier.tier.worker.redis_store import RedisStore
@@ -102,21 +102,6 @@ class Sample:
     predicted_restore_s: float | None = None
     predicted_recompute_s: float | None = None
     page_cache_share: float | None = None  # of the disk slot file, just before the wake
-
-
-class FetchLog:
-    """Records every tier -> host fetch the engine reports to its planner (bytes, seconds),
-    then lets the planner learn from it as usual."""
-
-    def __init__(self, planner: Planner) -> None:
-        self.records: list[tuple[str, int, float]] = []
-        learn = planner.observe_tier
-
-        def observe(tier: str, nbytes: int, seconds: float) -> None:
-            self.records.append((tier, nbytes, seconds))
-            learn(tier, nbytes, seconds)
-
-        planner.observe_tier = observe  # type: ignore[method-assign]
 
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -353,8 +338,7 @@ class Bench:
                   slot_file: Path | None) -> list[Sample]:
         """A follow-up of every session on an engine that holds them only in `tier`."""
         assert engine.tier.enabled
-        planner = engine.tier.manager.planner
-        fetches = FetchLog(planner)
+        manager = engine.tier.manager
         out_samples = []
         for session in sessions:
             before = self.deep_stats(engine) or {}
@@ -362,18 +346,18 @@ class Bench:
             if slot_file is not None:
                 drop_cache([slot_file])
                 share = resident_fraction([slot_file])
-            gbps = planner.calibration.tier_gbps.get(tier)
-            decision = planner.decide(len(session), nbytes, "auto", tier)
-            first = len(fetches.records)
+            gbps = engine.tier.report().calibration["tier_gbps"].get(tier)
+            decision = manager.decide(len(session), nbytes, "auto", tier)
             out, cores = measured(engine, session + tokens(self.rng, FOLLOW_UP, self.vocab),
                                   self.params)
             after = self.deep_stats(engine) or {}
             sample = self.sample(out, cores, decision)
             sample.tier_gbps_before = gbps
             sample.page_cache_share = share
-            for _, fetched, seconds in fetches.records[first:]:
-                sample.fetch_bytes += fetched
-                sample.fetch_s += seconds
+            sample.fetch_bytes = sum(delta(before.get("fetched_bytes", {}),
+                                           after.get("fetched_bytes", {})).values())
+            sample.fetch_s = sum(delta(before.get("fetch_seconds", {}),
+                                       after.get("fetch_seconds", {})).values())
             sample.fetched_blocks = delta(before.get("fetched_blocks", {}),
                                           after.get("fetched_blocks", {}))
             sample.misses = delta(before.get("misses", {}), after.get("misses", {}))
@@ -392,7 +376,7 @@ class Bench:
         return s
 
 
-def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.tier.index.disk import DiskTier
@@ -37,6 +37,7 @@ class BelowStats:
     write_failures: Counter[str] = field(default_factory=Counter)
     fetched: Counter[str] = field(default_factory=Counter)
     fetched_bytes: Counter[str] = field(default_factory=Counter)
+    fetch_seconds: Counter[str] = field(default_factory=Counter)  # the hop's I/O time
     misses: Counter[str] = field(default_factory=Counter)  # "tier:reason" -> blocks not served
     refused: int = 0  # writes or fetches the host or disk tier had no room for
 
@@ -72,7 +73,8 @@ class BelowHost:
         return BelowReport(
             written_blocks=dict(s.written), written_bytes=dict(s.written_bytes),
             write_failures=dict(s.write_failures), fetched_blocks=dict(s.fetched),
-            fetched_bytes=dict(s.fetched_bytes), misses=dict(s.misses), refused=s.refused,
+            fetched_bytes=dict(s.fetched_bytes), fetch_seconds=dict(s.fetch_seconds),
+            misses=dict(s.misses), refused=s.refused,
             encoding=self.encoding,
             disk=self.disk.stats if self.disk is not None else None,
             remote=self.remote.stats if self.remote is not None else None,
@@ -151,9 +153,11 @@ class BelowHost:
         return found
 
     def fetch(self, request_id: str, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
-              tiers: Sequence[Medium], predicted_s: float | None = None) -> bool:
+              tiers: Sequence[Medium], predict: Callable[[int], float] | None = None) -> bool:
         """Bring the leading `keys` up into host slots for `request_id`, as many as the host
-        can make room for (the rest is recomputed); False (nothing changed) if none fit."""
+        can make room for (the rest is recomputed); False (nothing changed) if none fit.
+        `predict(n)`: the planner's seconds for the hop of the first n blocks (scored when
+        the fetch lands whole)."""
         n = min(len(keys), self.host.room)
         keys, tokens, tiers = keys[:n], tokens[:n], tiers[:n]
         if not keys:
@@ -171,7 +175,7 @@ class BelowHost:
         job = Job(next(self._ids), src, Medium.HOST, tuple(prepared.slots), keys=tuple(keys),
                   tokens=tuple(tuple(t) for t in tokens), media=tuple(tiers),
                   disk_slots=tuple(slots.get(k, -1) for k in keys))
-        self._add(_Pending(job, request_id, predicted_s))
+        self._add(_Pending(job, request_id, predict(len(keys)) if predict else None))
         return True
 
     def release(self, request_id: str) -> None:
@@ -242,8 +246,11 @@ class BelowHost:
         source = REMOTE if REMOTE in t.media[:n] else DISK if n else None
         if source is not None:
             self.stats.fetched_bytes[source.value] += outcome.nbytes  # as stored
+            self.stats.fetch_seconds[source.value] += outcome.seconds
         assert pending.request_id is not None
-        return FetchDone(pending.request_id, n, source, missed=len(t.keys) - n)
+        whole = n == len(t.keys)
+        return FetchDone(pending.request_id, n, source, missed=len(t.keys) - n,
+                         predicted_s=pending.predicted_s if whole else None)
 
     def _failed(self, tier: Medium, reason: str, writing: bool) -> None:
         """A block not written (counted in `written`'s failures by the caller) or not

@@ -135,6 +135,7 @@ class FetchDone:
     fetched: int
     source: Medium | None  # the deepest tier a fetched block came from
     missed: int = 0  # blocks asked for that did not come up (failed, or after a failure)
+    predicted_s: float | None = None  # the hop's predicted seconds, for a whole fetch only
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,11 @@ class TierManager:
         if self.below is not None:
             self.below.wait_presence()
 
-    def decide(self, tokens: int, nbytes: int, mode: str = "auto") -> Decision:
-        """The planner's restore-or-recompute verdict for `tokens` whose KV is `nbytes`."""
-        return self.planner.decide(tokens, nbytes, mode)
+    def decide(self, tokens: int, nbytes: int, mode: str = "auto", via: str | None = None
+               ) -> Decision:
+        """The planner's restore-or-recompute verdict for `tokens` whose KV is `nbytes`
+        (first fetched up from the tier `via`, if given)."""
+        return self.planner.decide(tokens, nbytes, mode, via)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A measured prefill of `tokens`: scores and refines the recompute estimate."""
@@ -194,9 +196,14 @@ class TierManager:
         """Start bringing `match.fetch_keys` up to host; False if the host has no room (those
         tokens are then recomputed, and counted so when the request is admitted)."""
         assert self.below is not None and match.fetch_keys
-        predicted = match.decision.restore_s if match.decision is not None else None
-        if self.below.fetch(request_id, match.fetch_keys, match.fetch_tokens,
-                            match.fetch_media, predicted):
+        below = self.below
+        via = (Medium.REMOTE if Medium.REMOTE in match.fetch_media else Medium.DISK).value
+
+        def predict(n: int) -> float:
+            return self.planner.fetch_s(via, n * below.block_bytes)
+
+        if below.fetch(request_id, match.fetch_keys, match.fetch_tokens, match.fetch_media,
+                       predict):
             return True
         self._requests[request_id].declined_tokens += len(match.fetch_keys) * self.block_size
         return False
@@ -295,7 +302,8 @@ class TierManager:
             state.fetched_from = done.source if done.fetched else None
             state.declined_tokens += done.missed * self.block_size
         if done.source is not None and result.nbytes:
-            self.planner.observe_tier(done.source.value, result.nbytes, result.seconds)
+            self.planner.observe_tier(done.source.value, result.nbytes, result.seconds,
+                                      done.predicted_s)
 
     def _finish(self, pending: _Pending, result: Result) -> Event:
         job, ok = pending.job, result.success

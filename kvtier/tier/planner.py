@@ -51,7 +51,7 @@ class Calibration:
 
 @dataclass
 class Observation:
-    kind: Literal["restore", "recompute"]
+    kind: Literal["restore", "recompute", "fetch"]
     predicted_s: float
     actual_s: float
 
@@ -74,9 +74,13 @@ class Planner:
         c = self.calibration
         seconds = nbytes / (c.link_gbps * 1e9) + c.transfer_overhead_s
         if via is not None:
-            hop = nbytes if via_nbytes is None else via_nbytes
-            seconds += hop / (c.tier_gbps[via] * 1e9) + c.transfer_overhead_s
+            seconds += self.fetch_s(via, nbytes if via_nbytes is None else via_nbytes)
         return seconds
+
+    def fetch_s(self, tier: str, nbytes: int) -> float:
+        """The hop alone: `nbytes` as `tier` stores them, read up into host memory."""
+        c = self.calibration
+        return nbytes / (c.tier_gbps[tier] * 1e9) + c.transfer_overhead_s
 
     def recompute_s(self, tokens: int) -> float:
         return self.prefill_s(tokens)
@@ -129,8 +133,12 @@ class Planner:
             self.calibration.link_gbps = self._blend(self.calibration.link_gbps,
                                                      nbytes / useful / 1e9)
 
-    def observe_tier(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A finished read from a deeper tier up to host: refine that tier's rate."""
+    def observe_tier(self, tier: str, nbytes: int, seconds: float,
+                     predicted_s: float | None = None) -> None:
+        """A finished read from a deeper tier up to host: score the prediction made when it
+        was decided, then refine that tier's rate."""
+        if predicted_s is not None:
+            self._record(Observation("fetch", predicted_s, seconds))
         useful = seconds - self.calibration.transfer_overhead_s
         if nbytes > 0 and useful > 0:
             rates = self.calibration.tier_gbps
@@ -158,7 +166,7 @@ class Planner:
     def error_report(self) -> dict[str, dict[str, float | int]]:
         """Per kind: count, median and p90 relative error of predicted vs measured seconds."""
         report: dict[str, dict[str, float | int]] = {}
-        for kind in ("restore", "recompute"):
+        for kind in ("restore", "recompute", "fetch"):
             errs = sorted(o.relative_error for o in self.history if o.kind == kind)
             if errs:
                 report[kind] = {"count": len(errs), "median_rel_error": statistics.median(errs),

@@ -39,6 +39,7 @@ class BelowReport:
     write_failures: Mapping[str, int]
     fetched_blocks: Mapping[str, int]
     fetched_bytes: Mapping[str, int]
+    fetch_seconds: Mapping[str, float]  # the hops' I/O time: fetched_bytes / this = GB/s
     misses: Mapping[str, int]  # "disk:checksum" -> blocks found but not served
     refused: int  # writes or fetches the host or disk tier had no room for
     encoding: str  # "" exact, else the lossy encoding of every block below host

@@ -42,7 +42,6 @@ def test_any_interleaving_matches_an_unlimited_pool(
                     max_num_batched_tokens=48)
     ref = tier_engine(tiny, num_device_blocks=1024)
     sessions: list[list[int]] = []
-    restored = 0
     try:
         for action, seed in actions:
             rng = random.Random(seed)
@@ -68,7 +67,6 @@ def test_any_interleaving_matches_an_unlimited_pool(
                 r = ref.add_request(sessions[i], params)
                 want = ref.run_to_completion([r])[r]
                 assert key(got[rid]) == key(want)
-                restored += got[rid].num_restored_tokens
                 sessions[i] = sessions[i] + got[rid].token_ids + [rng.randrange(1, 380)
                                                                     for _ in range(5)]
         for _ in range(3):
@@ -78,7 +76,8 @@ def test_any_interleaving_matches_an_unlimited_pool(
     finally:
         e.close()
     if sum(1 for a, _ in actions if a in ("turn", "burst")) >= 4:
-        assert restored > 0 or e.tier.manager.stats.stored_blocks > 0
+        # every full block a turn left on the device went to host (write-through)
+        assert e.tier.report().transfers.stored_blocks > 0
 
 
 def test_many_wakes_while_others_decode(tiny: LoadedModel) -> None:

@@ -94,7 +94,8 @@ def test_swap_preemption_restores_the_whole_cache_including_the_partial_block(
     # their own state came back after preemption: swap-ins, not prompt tokens restored
     assert sum(g.num_swapped_in_tokens for g in got) > 0
     assert all(g.num_restored_tokens <= len(g.prompt_token_ids) for g in got)
-    assert e.pool.num_used == 0 or e.tier.busy  # only in-flight write-through holds blocks
+    e.drain()  # in-flight write-through is all that may still hold blocks: let it land
+    assert e.pool.num_used == 0
     e.close()
 
 

@@ -272,3 +272,21 @@ def test_state_below_host_not_restored_counts_as_recomputed(why: str, tiny: Load
     assert_same(out, reference(ids))
     assert out.residency == "recomputed"
     assert out.num_restored_tokens == 0 and out.num_recomputed_tokens == 6 * BLOCK
+
+
+def test_a_fetch_is_scored_against_the_planners_prediction(tiny: LoadedModel, tmp_path: Path,
+                                                         reference: Any) -> None:
+    """The hop up from disk was predicted when it was decided; when it lands whole, that
+    prediction meets the seconds it took (the planner's error report has a "fetch" row)."""
+    knobs, ids = written_disk(tiny, tmp_path)
+    b = Engine(tiny, **knobs)
+    try:
+        out = b.run(ids)
+        report = b.engine.tier.report()
+        deep = b.deep()
+    finally:
+        b.close()
+    assert out.residency == "disk"
+    assert_same(out, reference(ids))
+    assert report.prediction_error["fetch"]["count"] == 1
+    assert deep["fetch_seconds"]["disk"] > 0 and deep["fetched_bytes"]["disk"] > 0

