@@ -42,8 +42,7 @@ from blake3 import blake3
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_peak_gbps, write_result
 
-from kvtier.tier import Job, KVLayout, Medium, Result, TierConfig, build_worker_side
-from kvtier.tier.config import GIB
+from kvtier.tier import GIB, Job, KVLayout, Medium, Result, TierConfig, build_worker_side
 from kvtier.tier.worker.block_format import BlockHeader, check, pack, payload_checksum, unpack
 from kvtier.tier.worker.block_mac import BlockMac
 from kvtier.tier.worker.worker import TierWorker

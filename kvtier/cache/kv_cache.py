@@ -105,7 +105,3 @@ class KVCacheManager:
         table = self.tables.pop(request_id, None)
         if table is not None:
             self.pool.free(list(reversed(table.clear())))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free

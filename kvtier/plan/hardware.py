@@ -17,8 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.tier import GIB
 
-GIB = 1024**3
 THIS_MACHINE = "this-machine"
 
 

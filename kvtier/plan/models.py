@@ -50,11 +50,6 @@ class ModelShape:
     def weights_bytes(self) -> int:
         return self.num_params * WEIGHT_BYTES
 
-    def prefill_flops(self, tokens: int) -> float:
-        """2 * params * T for the weight matmuls, plus causal attention: QK^T and PV are each
-        2 * T * T * hidden FLOPs per layer, halved by the causal mask -> 2 * layers * hidden * T**2.
-        """
-        return 2.0 * self.num_params * tokens + 2.0 * self.num_layers * self.hidden_size * tokens**2
 
 
 def _preset(name: str, layers: int, kv_heads: int, hidden: int, params: float, vocab: int,

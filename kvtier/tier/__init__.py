@@ -16,7 +16,7 @@ the bytes side is imported only when first named, so bookkeeping alone never loa
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tier.config import SAFE_RAM_SHARE, TierConfig, host_slot_count
+from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, host_slot_count
 from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from kvtier.tier.worker.worker import TierWorker, WorkerReport
 
 __all__ = [
+    "GIB",
     "NO_MATCH",
     "SAFE_RAM_SHARE",
     "BelowReport",

@@ -51,7 +51,6 @@ class TierConfig:
     """The host-memory KV tier and the tiers below it: off until given a size, as in vLLM."""
 
     kv_offloading_size: float = 0.0  # GiB of host memory (pinned on CUDA); 0 = off
-    kv_offloading_backend: str = "native"
     kv_write_policy: str = "write_through"  # finished prefixes go down at finish, or on eviction
     eviction_policy: str = "lru"  # host tier: lru | arc
     idle_offload_s: float = 0.0  # demote cached blocks idle this long even without pressure; 0=off
@@ -102,10 +101,6 @@ class TierConfig:
         if self.kv_offloading_size < 0:
             raise ConfigError(
                 f"kv_offloading_size={self.kv_offloading_size} GiB must be >= 0 (0 = off)"
-            )
-        if self.kv_offloading_backend != "native":
-            raise ConfigError(
-                f"kv_offloading_backend={self.kv_offloading_backend!r}: only 'native' exists"
             )
         for name, value, choices in (
             ("kv_write_policy", self.kv_write_policy, WRITE_POLICIES),

@@ -149,7 +149,8 @@ def test_write_down_to_disk_then_fetch_up_then_load() -> None:
     assert match.fetch_keys == tuple(KEYS[:2]) and match.fetch_media == (Medium.DISK,) * 2
     assert m.fetch("r", match)
     [fetched] = run(m)
-    assert fetched == FetchDone("r", 2, Medium.DISK, 0)
+    assert fetched == FetchDone("r", 2, Medium.DISK, 0, predicted_s=fetched.predicted_s)
+    assert fetched.predicted_s is not None and fetched.predicted_s > 0  # scored on landing
     again = m.match("r", KEYS[:2], CHUNKS[:2])
     assert again.load_keys == tuple(KEYS[:2]) and again.residency is Medium.DISK
     m.allocated("r", again, [5, 6])

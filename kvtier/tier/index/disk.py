@@ -14,7 +14,7 @@ from kvtier.tier.keys import BlockKey, Medium
 
 
 class DiskTier(SlotTier):
-    """Slots of the disk tier's preallocated file (`transfer.disk_store.DiskStore`)."""
+    """Slots of the disk tier's preallocated file (`worker/disk_store.DiskStore`)."""
 
     medium = Medium.DISK
     size_knob = "disk_kv_size"

@@ -7,7 +7,7 @@ from kvtier.tier.keys import Medium
 
 
 class HostTier(SlotTier):
-    """Rows of the host pool (`transfer.host_memory.HostPool`), one block per row."""
+    """Rows of the host pool (`worker/host_pool.HostPool`), one block per row."""
 
     medium = Medium.HOST
     size_knob = "kv_offloading_size"

@@ -26,7 +26,7 @@ class _Entry:
 
 
 class SlotTier:
-    """Slots 0..num_slots-1 of one tier and the keys they hold (see `tiers.base`)."""
+    """Slots 0..num_slots-1 of one tier and the keys they hold (see `index/base.py`)."""
 
     medium = Medium.DEVICE  # set by each concrete tier
     size_knob = ""  # the knob that sizes the tier, for the error below

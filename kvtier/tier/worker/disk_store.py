@@ -25,6 +25,7 @@ from types import TracebackType
 import xxhash
 
 from kvtier.errors import ConfigError
+from kvtier.tier.config import GIB
 from kvtier.tier.fingerprint import FORMAT_VERSION
 from kvtier.tier.worker.block_format import (
     MAGIC,
@@ -152,11 +153,11 @@ class DiskStore:
         """`usable`: free bytes plus what the file already holds there."""
         need = self.file_nbytes
         slots = max(usable - FILE_HEADER_NBYTES, 0) // self.slot_nbytes
-        fits = (f"disk_kv_size={slots * self.slot_nbytes / 2**30 - 0.0005:.3f} GiB fits there"
+        fits = (f"disk_kv_size={slots * self.slot_nbytes / GIB - 0.0005:.3f} GiB fits there"
                 if slots else "not one block fits there")
         return ConfigError(
-            f"the disk tier needs {need} bytes ({need / 2**30:.3f} GiB) at {path}, but that "
-            f"filesystem has {usable} bytes ({usable / 2**30:.3f} GiB) free for it; {fits}: "
+            f"the disk tier needs {need} bytes ({need / GIB:.3f} GiB) at {path}, but that "
+            f"filesystem has {usable} bytes ({usable / GIB:.3f} GiB) free for it; {fits}: "
             f"lower disk_kv_size or choose another disk_kv_path")
 
     # -- slots -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Slot i holds one device block for all layers contiguously, so a block moves as one copy:
     host: [num_slots, num_layers, *layer_block_shape]   (`KVLayout.block_shape`)
 With `encoding` (kv_offload_dtype = int8 | fp8) a slot instead holds the block's 8-bit
-encoding (`transfer.kv_codec`): [num_slots, encoded_nbytes] uint8, 4x the blocks per GiB
+encoding (`worker/codec.py`): [num_slots, encoded_nbytes] uint8, 4x the blocks per GiB
 from float32. Page-locked (pinned) when the device is CUDA, so copies are true async DMA;
 plain on CPU.
 Pinning registers the exact allocation with `cudaHostRegister` instead of using

@@ -138,7 +138,7 @@ class TierIO:
                 self._done[job.id] = Result(job.id, (False,) * n, (Reason.CLOSED,) * n, 0, 0)
 
     def _run(self) -> None:
-        torch.set_num_threads(1)  # compute keeps its OpenMP team to itself (transfer.engine)
+        torch.set_num_threads(1)  # compute keeps its OpenMP team to itself (worker/link.py)
         while True:
             with self._cond:
                 while not self._queue and not self._closing:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
-from kvtier.tier.config import TierConfig
+from kvtier.tier.config import GIB, TierConfig
 from kvtier.tier.index.disk import DiskTier
 from kvtier.tier.jobs import Reason
 from kvtier.tier.planner import Calibration
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GIB = 1024**3
 CALIBRATION_BLOCKS = 8
 UNMEASURED_REMOTE_GBPS = 0.5  # a Redis unreachable at start: assume a slow network
 UNMEASURED_DISK_GBPS = 0.5  # a disk whose calibration failed: assume a slow one
