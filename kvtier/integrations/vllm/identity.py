@@ -69,13 +69,10 @@ def weights_identity(model: str, revision: str | None = None, pinned: str | None
         if config.is_file():
             h.update(config.read_bytes())
         h.update(b"\x00")
-        digests = [(file, file_digest(file)) for file in files]
+        cached = _add_files(h, files)
         size = sum(file.stat().st_size for file in files)
     except OSError as e:
         raise ConfigError(f"kvtier cannot read {path}'s weights to identify them: {e}") from e
-    for file, digest in digests:
-        h.update(f"{file.name}\x00{digest.hex}\x00".encode())
-    cached = sum(d.cached for _, d in digests)
     log.info("kvtier: identified the weights in %s (%d file(s), %.2f GB) in %.2f s; %d of %d "
              "file digest(s) from the cache", path, len(files), size / 1e9,
              time.perf_counter() - began, cached, len(files))
@@ -145,6 +142,16 @@ def _adapter_files(directory: Path) -> Iterator[Path]:
 
 def _adapter_digest(files: list[Path]) -> str:
     h = xxhash.xxh3_128()
-    for file in files:
-        h.update(f"{file.name}\x00{file_digest(file).hex}\x00".encode())
+    _add_files(h, files)
     return h.hexdigest()
+
+
+def _add_files(h: Any, files: list[Path]) -> int:
+    """Each file's name and full-content digest into `h`, in order (the model's weights and
+    an adapter's files alike); how many digests the cache served."""
+    cached = 0
+    for file in files:
+        digest = file_digest(file)
+        h.update(f"{file.name}\x00{digest.hex}\x00".encode())
+        cached += digest.cached
+    return cached

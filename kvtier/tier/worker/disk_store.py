@@ -184,7 +184,7 @@ class DiskStore:
                              f"{self.header_nbytes} (size it with max_header_nbytes)")
         # Old header gone, then the payload, then the header that describes it: a crash or
         # an error at any point leaves no header, a torn one, or one whose checksum fails.
-        _pwrite_all(self._fd, bytes(len(MAGIC)), offset)
+        _pwrite_all(self._fd, _EMPTY, offset)
         _pwrite_all(self._fd, data, offset + self.header_area)
         _pwrite_all(self._fd, encoded, offset)
 
@@ -207,7 +207,7 @@ class DiskStore:
 
     def invalidate(self, slot: int) -> None:
         """Zero the slot's header magic: neither `read` nor a later `scan` finds it."""
-        _pwrite_all(self._fd, bytes(len(MAGIC)), self._offset(slot))
+        _pwrite_all(self._fd, _EMPTY, self._offset(slot))
 
     def scan(self, unusable: Counter[str] | None = None) -> list[tuple[int, BlockHeader]]:
         """(slot, header) of every slot whose header decodes, in slot order; the rest are
