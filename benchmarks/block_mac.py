@@ -169,7 +169,7 @@ class Instance:
     def _run(self, src: Medium, dst: Medium, slots: range) -> Result:
         self._ids += 1
         job = Job(self._ids, src, dst, tuple(slots), keys=self.keys, tokens=self.tokens,
-                  media=(Medium.REMOTE,) * self.n, disk_slots=(-1,) * self.n)
+                  media=(Medium.REMOTE,) * self.n, below_slots=(-1,) * self.n)
         self.w.submit(job)
         assert self.w.io is not None
         while True:

@@ -367,7 +367,7 @@ class Bench:
     @staticmethod
     def sample(out: RequestOutput, cores: float, decision: Decision | None = None) -> Sample:
         assert out.metrics.ttft_s is not None
-        s = Sample(out.metrics.ttft_s, out.residency, out.num_restored_tokens,
+        s = Sample(out.metrics.ttft_s, str(out.residency), out.num_restored_tokens,
                    out.restore_bytes, out.metrics.restore_s, cores)
         if decision is not None:
             s.predicted_choice = decision.choice

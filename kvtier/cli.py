@@ -105,7 +105,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
               f"{report.turns} turns, {report.demoted_blocks} blocks demoted to host, "
               f"{report.restored_tokens} tokens restored, {report.blocks_compared} blocks "
               f"compared byte for byte, {report.restarts} restarts; warm turns by residency "
-              f"{report.residency}")
+              f"{report.residency_counts()}")
         for line in report.token_mismatches + report.byte_mismatches:
             print(f"MISMATCH {line}")
         if report.restored_tokens == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,54 @@ class SchedulerConfig:
                             "max_model_len": (2, 2**31)})
 
 
+class WritePolicy(str, enum.Enum):
+    """When a finished prefix goes down to host: at once, or when the device evicts it."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_BACK = "write_back"  # exclusive tiers: a loaded block leaves host, written back later
+
+
+class PreemptionMode(str, enum.Enum):
+    AUTO = "auto"  # the planner picks swap or recompute per sequence
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+class LoadMode(str, enum.Enum):
+    ASYNC = "async"  # wait for the whole load before the request's first step
+    LAYERWISE = "layerwise"  # overlap the load with compute, layer by layer
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """How kvtier's engine uses the tier: policies the engine honours, not the tier (under vLLM
+    the connector refuses them). Strings from the user become enums here, once."""
+
+    kv_write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    idle_offload_s: float = 0.0  # demote cached blocks idle this long even without pressure; 0=off
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    load_mode: LoadMode = LoadMode.ASYNC
+    max_offload_tokens: int | None = None  # per request
+
+    def __post_init__(self) -> None:
+        for name, kind in (("kv_write_policy", WritePolicy), ("preemption_mode", PreemptionMode),
+                           ("load_mode", LoadMode)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                choices = ", ".join(m.value for m in kind)
+                raise ConfigError(f"{name}={value!r} is not one of {choices}") from None
+
+    def validate(self) -> None:
+        check_types(self)
+        if self.idle_offload_s < 0:
+            raise ConfigError(f"idle_offload_s={self.idle_offload_s} must be >= 0 (0 = off)")
+        if self.max_offload_tokens is not None and self.max_offload_tokens < 0:
+            raise ConfigError(f"max_offload_tokens={self.max_offload_tokens} must be >= 0")
+        check_bounds(self, {"idle_offload_s": (0.0, 1e9), "max_offload_tokens": (0, 2**31)})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from; `from_knobs` takes the flat keyword style of vLLM."""
@@ -67,6 +116,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     offload: TierConfig = field(default_factory=TierConfig)
+    policy: OffloadPolicy = field(default_factory=OffloadPolicy)
 
     def validate(self) -> None:
         check_types(self)
@@ -77,6 +127,7 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.offload.validate()
+        self.policy.validate()
 
     @classmethod
     def from_knobs(cls, model: str | None = None, **knobs: Any) -> EngineConfig:
@@ -102,6 +153,7 @@ class EngineConfig:
 
 SECTIONS: dict[str, type] = {
     "cache": CacheConfig, "scheduler": SchedulerConfig, "offload": TierConfig,
+    "policy": OffloadPolicy,
 }
 
 

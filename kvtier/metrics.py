@@ -96,10 +96,10 @@ class Metrics:
             registry=r)
         # Every label value exists from the start, so dashboards see 0 rather than no series.
         for cls in RESIDENCY_CLASSES:
-            self.ttft.labels(residency=cls)
-            self.itl.labels(residency=cls)
+            self.ttft.labels(residency=cls.value)
+            self.itl.labels(residency=cls.value)
             for part in SPLIT_PARTS:
-                self.ttft_part.labels(part=part, residency=cls)
+                self.ttft_part.labels(part=part, residency=cls.value)
         for status in FINISH_STATUSES:
             self.requests.labels(status=status)
         self._engine = EngineCollector()
@@ -107,7 +107,7 @@ class Metrics:
 
     def observe_request(self, out: RequestOutput) -> None:
         """Count one finished request; TTFT and ITL are skipped where their timing is None."""
-        residency = out.residency
+        residency = str(out.residency)  # the label value: "host", not "Residency.HOST"
         m = out.metrics
         if m.ttft_s is not None:
             self.ttft.labels(residency=residency).observe(m.ttft_s)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.sequence import SPLIT_PARTS, Phase, Sequence
+from kvtier.tier import Residency
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = True
     # where the prior state lived: resident | host | disk | remote | recomputed | new
-    residency: str = "new"
+    residency: Residency = Residency.NEW
     num_restored_tokens: int = 0  # loaded from the host tier (fetched up to it first if deeper)
     num_swapped_in_tokens: int = 0  # restored after preemptions (not counted above)
     num_recomputed_tokens: int = 0  # state that existed but was computed again
@@ -105,7 +106,7 @@ class StreamDelta:
     text: str
     num_tokens: int
     finished: bool
-    residency: str
+    residency: Residency
     holdback: int  # trailing characters that may still turn out to begin a stop string
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
 

@@ -18,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.model.runner import resolve_device
 from kvtier.sequence import SamplingParams
-from kvtier.tier import BlockKey
+from kvtier.tier import BlockKey, Residency
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SelftestReport:
     demoted_blocks: int = 0
     blocks_compared: int = 0
     restarts: int = 0  # warm engine shut down and started again (a disk or remote tier)
-    residency: dict[str, int] = field(default_factory=dict)  # warm turns by residency
+    residency: dict[Residency, int] = field(default_factory=dict)  # warm turns by residency
     token_mismatches: list[str] = field(default_factory=list)
     byte_mismatches: list[str] = field(default_factory=list)
 
@@ -38,7 +38,11 @@ class SelftestReport:
         return not self.token_mismatches and not self.byte_mismatches and self.restored_tokens > 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "ok": self.ok}
+        return {**self.__dict__, "residency": self.residency_counts(), "ok": self.ok}
+
+    def residency_counts(self) -> dict[str, int]:
+        """Warm turns by residency, keyed by the label ("disk"), as reports print them."""
+        return {cls.value: n for cls, n in self.residency.items()}
 
 
 def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,

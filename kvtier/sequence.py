@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import RequestError
+from kvtier.tier import Residency
 
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's threshold)
 MAX_TEMPERATURE = 100.0  # beyond it every token is equally likely: a caller's mistake
@@ -162,7 +163,8 @@ class SwapState:
     num_computed: int
 
 
-RESIDENCY_CLASSES = ("resident", "host", "disk", "remote", "recomputed", "new")
+RESIDENCY_CLASSES = (Residency.RESIDENT, Residency.HOST, Residency.DISK, Residency.REMOTE,
+                     Residency.RECOMPUTED, Residency.NEW)  # the order reports list them in
 
 
 @dataclass
@@ -188,7 +190,7 @@ class Sequence:
     # resident (device prefix hit), host (restored), disk / remote (restored after a fetch up
     # from that tier), recomputed (it existed but was computed again), new. TTFT is reported
     # per class because the classes differ by 10x.
-    residency: str = "new"
+    residency: Residency = Residency.NEW
     num_restored_tokens: int = 0  # prompt tokens restored at admission (<= the prompt)
     num_swapped_in_tokens: int = 0  # its own state restored after each preemption
     num_recomputed_tokens: int = 0

@@ -43,14 +43,14 @@ class RequestLog:
         out = {"all": summarize([o.metrics.ttft_s for o in self.outputs
                                  if o.metrics.ttft_s is not None])}
         for cls in RESIDENCY_CLASSES:
-            out[cls] = summarize([o.metrics.ttft_s for o in self.outputs
-                                  if o.residency == cls and o.metrics.ttft_s is not None])
+            out[cls.value] = summarize([o.metrics.ttft_s for o in self.outputs
+                                        if o.residency == cls and o.metrics.ttft_s is not None])
         return out
 
     def split_by_class(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
         """Per residency class (and "all"): queue, tier and compute parts of the TTFT."""
         out = {}
-        for cls in ("all", *RESIDENCY_CLASSES):
+        for cls in ("all", *(c.value for c in RESIDENCY_CLASSES)):
             chosen = [o.metrics.parts() for o in self.outputs if o.metrics.ttft_s is not None
                       and cls in ("all", o.residency)]
             out[cls] = {part: summarize([p[part] for p in chosen if p[part] is not None])
@@ -125,12 +125,12 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
         "misses": dict(b.misses), "refused": b.refused,
         "tier_gbps": dict(ms.calibration["tier_gbps"]),
     }
-    if b.disk is not None:
-        d = b.disk
+    if "disk" in b.stores:
+        d = b.stores["disk"]
         out["disk"] = {"used_slots": d.used, "capacity_slots": d.capacity, "hits": d.hits,
                        "evictions": d.evictions, **stores.get("disk", {})}
-    if b.remote is not None:
-        r = b.remote
+    if "remote" in b.stores:
+        r = b.stores["remote"]
         out["remote"] = {"hits": r.hits, "stores": r.stores,
                          "lookups_answered_absent": b.lookups_answered_absent,
                          **stores.get("remote", {})}

@@ -1,16 +1,22 @@
-"""Shared fixtures: the embedded default model and its transformers twin, loaded once."""
+"""Shared fixtures: the embedded default model and its transformers twin, loaded once; and the
+helpers several test files share, imported as `from conftest import ...` (tests/ is on sys.path).
+Keep them here: a second conftest.py in a subfolder would shadow this module's name."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import settings
 
 from kvtier.model.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from kvtier.engine.llm_engine import LLMEngine
+    from kvtier.output import RequestOutput
 
 pytest_plugins = ["redis_server"]
 
@@ -103,3 +109,51 @@ def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[Any, st
         return launch("--model", "tiny", *args, env=env)
     except KvtierError as e:
         pytest.fail(str(e))
+
+
+# -- tests/engine: the tier under our engine, compared bit for bit ------------------------
+
+
+def exact_engine(tiny: LoadedModel, faults: Any = None, **knobs: object) -> LLMEngine:
+    """An engine on the tiny preset in batch-invariant mode, so that every output can be
+    compared bit for bit with a run on an unlimited device pool; `faults`: the tier's
+    (`tier.Faults`), passed to `build()` as every fault test does."""
+    from kvtier.config import EngineConfig
+    from kvtier.engine.faults import EngineFaults
+    from kvtier.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_knobs(model="tiny", batch_invariant=True, **knobs),
+                     loaded=tiny, faults=EngineFaults(tier=faults) if faults else None)
+
+
+class Armed:
+    """A fault hook the test arms when it wants it: the tier is built with it, disarmed
+    (the one fault seam is fixed at build; the test decides when it bites)."""
+
+    def __init__(self, hook: Any, armed: bool = False) -> None:
+        self.hook, self.armed = hook, armed
+
+    def __call__(self, job: Any, index: int) -> Any:
+        return self.hook(job, index) if self.armed else None
+
+
+def loads(job: Any, step: int) -> bool:
+    """A link fault hook: every host -> device load fails."""
+    return job.dst.value == "device"
+
+
+def output_key(o: RequestOutput) -> tuple:
+    """What two exact runs must agree on: the tokens and every logprob, comparable with ==."""
+    return tuple(o.token_ids), tuple(tuple(sorted(d.items())) for d in o.logprobs or [])
+
+
+# -- tests/tier: opaque block keys for the host tier's scenarios ---------------------------
+
+
+def k(i: int) -> bytes:
+    """Block key number `i`: 16 opaque bytes (the tier never reads a key's content)."""
+    return bytes([i]) * 16
+
+
+def ks(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvtier.bench.run import ConfigRun, session_residency
 from kvtier.errors import ConfigError
+from kvtier.tier import Residency
 
 STAND_IN_ID = 100  # first id of the stand-in tokens for replies a server does not return
 
@@ -143,5 +144,5 @@ def _from_cached(cached: int | None, turn: int, prior: int) -> str:
     if cached is None:
         return "unknown"
     if turn == 0:
-        return "cached" if cached else "new"
-    return "cached" if cached >= prior / 2 else "recomputed"
+        return "cached" if cached else Residency.NEW.value
+    return "cached" if cached >= prior / 2 else Residency.RECOMPUTED.value

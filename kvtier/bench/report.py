@@ -24,24 +24,26 @@ from kvtier.bench.load import saturation_message
 from kvtier.bench.split import explain_gap, split_summary
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 from kvtier.stats import summarize
+from kvtier.tier import Residency
 
-COLD_CLASSES = ("host", "recomputed")
+COLD_CLASSES = (Residency.HOST, Residency.RECOMPUTED)
 BIMODAL_RATIO = 3.0  # p50s this far apart are two populations, not one
 BIMODAL_MIN_REQUESTS = 3
-CLASS_COLORS = MappingProxyType({"resident": "tab:green", "host": "tab:orange",
-                                 "recomputed": "tab:red", "new": "tab:blue"})
+CLASS_COLORS = MappingProxyType({Residency.RESIDENT: "tab:green", Residency.HOST: "tab:orange",
+                                 Residency.RECOMPUTED: "tab:red", Residency.NEW: "tab:blue"})
 CONFIG_STYLES = ("-", "--", ":", "-.")
 CONFIG_MARKERS = ("o", "^", "s", "D", "v", "x")
 TABLE_CAPTION = ("TTFT cells: p50 / p90 / p99 ms (n requests); split cells: queue / tier / "
                  "compute ms, p50 then p90")
 REFUSED_LISTED = 10
-OPTIONAL_CLASSES = ("disk", "remote")
+OPTIONAL_CLASSES = (Residency.DISK, Residency.REMOTE)
 
 
 def classes_of(records: Sequence[dict[str, Any]]) -> list[str]:
-    """The known residency classes, then any other value the records carry."""
-    extra = sorted({r["residency"] for r in records} - set(RESIDENCY_CLASSES))
-    return [*RESIDENCY_CLASSES, *extra]
+    """The known residency classes, then any other value the records carry (labels)."""
+    known = [c.value for c in RESIDENCY_CLASSES]
+    extra = sorted({r["residency"] for r in records} - set(known))
+    return [*known, *extra]
 
 
 def summarize_config(records: Sequence[dict[str, Any]], engine: dict[str, Any],

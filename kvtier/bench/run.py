@@ -21,6 +21,7 @@ from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
+from kvtier.tier import Residency
 
 IDLE_TICK_S = 0.05  # how often an idle engine steps (demotion, transfer completion)
 SAMPLE_S = 0.25  # link-utilisation timeline resolution
@@ -122,8 +123,11 @@ def run_config(loaded: LoadedModel, trace: Any, name: str, knobs: dict[str, Any]
 
 def session_residency(residency: str, turn: int) -> str:
     """An engine's "new" on a session's later turn means no tier still held its earlier
-    turns (tier off, or evicted everywhere): its state existed and was computed again."""
-    return "recomputed" if residency == "new" and turn > 0 else residency
+    turns (tier off, or evicted everywhere): its state existed and was computed again.
+    `residency` is a `Residency`, or the label another server reported; a record's label."""
+    if residency == Residency.NEW and turn > 0:
+        return Residency.RECOMPUTED.value
+    return str(residency)
 
 
 def _record(config: str, sid: str, turn: int, sent: float, finished: float, new: int,

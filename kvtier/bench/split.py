@@ -12,8 +12,9 @@ from typing import Any
 
 from kvtier.sequence import SPLIT_PARTS
 from kvtier.stats import summarize
+from kvtier.tier import Residency
 
-BELOW_HOST = ("disk", "remote")
+BELOW_HOST = (Residency.DISK, Residency.REMOTE)
 
 
 def split_summary(records: Sequence[dict[str, Any]], classes: Sequence[str]
@@ -37,11 +38,11 @@ def part_words(part: str, cls: str) -> str:
         return "queue wait"
     if part == "compute":
         return "compute"
-    if cls == "host":
+    if cls == Residency.HOST:
         return "restore"
     if cls in BELOW_HOST:
         return f"fetch from {cls} and restore"
-    if cls == "recomputed":
+    if cls == Residency.RECOMPUTED:
         return "recompute"
     return "tier wait"
 

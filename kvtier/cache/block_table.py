@@ -1,10 +1,9 @@
-"""A sequence's logical-to-physical block map, with the residency of every logical block."""
+"""A sequence's logical-to-physical block map, with the chained keys of its full blocks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.cache.block import Residency
 from kvtier.tier import BlockKey
 
 
@@ -12,26 +11,23 @@ from kvtier.tier import BlockKey
 class BlockTable:
     """Logical block i of a sequence lives in physical device block `block_ids[i]`.
 
-    `residency[i]` says where block i's authoritative bytes are; `keys` holds the chained keys
-    of the full blocks hashed so far (a prefix of the table), `num_registered` how many of
-    them are published in the prefix index.
+    `keys` holds the chained keys of the full blocks hashed so far (a prefix of the table),
+    `num_registered` how many of them are published in the prefix index.
     """
 
     block_ids: list[int] = field(default_factory=list)
-    residency: list[Residency] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
     num_registered: int = 0
 
     def __len__(self) -> int:
         return len(self.block_ids)
 
-    def append(self, block_ids: list[int], residency: Residency = Residency.DEVICE) -> None:
+    def append(self, block_ids: list[int]) -> None:
         self.block_ids.extend(block_ids)
-        self.residency.extend([residency] * len(block_ids))
 
     def clear(self) -> list[int]:
         """Forget every block; returns the physical ids so the caller can release them."""
         ids = self.block_ids
-        self.block_ids, self.residency, self.keys = [], [], []
+        self.block_ids, self.keys = [], []
         self.num_registered = 0
         return ids

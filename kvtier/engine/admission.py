@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.cache.kv_cache import CachedPrefix, KVCacheManager
 from kvtier.sequence import Sequence
-from kvtier.tier import NO_MATCH, BlockKey, Match, is_swap_key
+from kvtier.tier import NO_MATCH, BlockKey, Match, Residency, is_swap_key
 
 if TYPE_CHECKING:
     from kvtier.engine.tier_client import NullTier, TierClient
@@ -42,13 +42,13 @@ class AdmissionPlan:
         return [k for k in self.load_keys if not is_swap_key(k)]
 
     @property
-    def residency(self) -> str:
-        source = self.match.residency
+    def residency(self) -> Residency:
+        source = self.match.residency  # the tier's medium, if it restores anything
         if source is not None:
-            return source.value
+            return Residency.from_medium(source)
         if self.prefix.num_tokens:
-            return "resident"
-        return "recomputed" if self.declined_tokens else "new"
+            return Residency.RESIDENT
+        return Residency.RECOMPUTED if self.declined_tokens else Residency.NEW
 
 
 def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,

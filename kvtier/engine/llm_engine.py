@@ -19,7 +19,7 @@ from typing import Any
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
 from kvtier.engine.batch import SchedulerOutput
-from kvtier.engine.faults import Faults
+from kvtier.engine.faults import EngineFaults
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier, TierClient
 from kvtier.errors import RequestError
@@ -49,9 +49,12 @@ def _close_at_exit(engine: LLMEngine) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 faults: EngineFaults | None = None) -> None:
+        """`faults`: what a test makes fail (default: what the environment asks, nothing)."""
         config.validate()
         self.config = config
+        self.faults = faults or EngineFaults.from_env()
         loaded = loaded if loaded is not None else load_model(config.model)
         self.model_source = loaded.source
         self.spec = loaded.spec
@@ -72,7 +75,7 @@ class LLMEngine:
         context = config.scheduler.max_model_len or loaded.spec.max_position_embeddings
         self.max_model_len = min(context, self.runner.num_blocks * bs)
         self.tier: TierClient | NullTier = TierClient.build(
-            config, self.runner, self.pool, self.fingerprint.namespace())
+            config, self.runner, self.pool, self.fingerprint.namespace(), self.faults.tier)
         self.scheduler = Scheduler(config.scheduler, self.pool, bs, self.tier,
                                    max_model_len=self.max_model_len)
         self._closed = False
@@ -84,7 +87,6 @@ class LLMEngine:
         self.finished_outputs: list[RequestOutput] = []
         self._streaming: set[str] = set()
         self.stream_deltas: list[StreamDelta] = []
-        self.faults = Faults.from_env()  # off unless a test sets KVTIER_FAULT_*
         self.busy_s = 0.0  # wall time of steps that ran a batch: the engine's utilisation
 
     def namespace(self, salt: str = "") -> BlockKey:

@@ -20,14 +20,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.cache.block import Residency
 from kvtier.cache.block_pool import BlockPool
 from kvtier.cache.kv_cache import KVCacheManager
-from kvtier.config import SchedulerConfig
+from kvtier.config import LoadMode, SchedulerConfig, WritePolicy
 from kvtier.engine.admission import AdmissionPlan, plan_admission
 from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Phase, Sequence, SequenceStatus, SwapState
-from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, swap_key
+from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, Residency, swap_key
 
 if TYPE_CHECKING:  # the tier client imports this module's ScheduledSeq
     from kvtier.engine.tier_client import NullTier, TierClient
@@ -57,7 +56,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len or config.max_model_len or pool.num_blocks * block_size
         self.tier = tier
-        self.tier_config = tier.config
+        self.policy = tier.policy  # how this engine uses the tier
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}  # request id -> sequence whose load is in flight
@@ -119,7 +118,7 @@ class Scheduler:
             if plan.match.fetch_keys:
                 self._start_fetch(seq, plan)
                 continue
-            layerwise = self.tier_config.load_mode == "layerwise"
+            layerwise = self.policy.load_mode is LoadMode.LAYERWISE
             waits = bool(plan.load_keys) and not layerwise
             n = 0 if waits else min(seq.num_tokens - plan.start, budget)
             now = time.perf_counter()
@@ -161,9 +160,6 @@ class Scheduler:
 
     def _start_load(self, seq: Sequence, plan: AdmissionPlan, job: int) -> None:
         table = self.kv.tables[seq.request_id]
-        d = len(plan.prefix.block_ids)
-        for i in range(d, d + len(plan.load_keys)):
-            table.residency[i] = Residency.IN_FLIGHT
         table.keys.extend(plan.content_keys)
         seq.loading = job
         if seq.num_preemptions:  # its own state from before it was preempted: a swap-in
@@ -219,8 +215,6 @@ class Scheduler:
             self.namespaces.pop(seq.request_id, None)
             return done.success
         seq.restore_s += done.seconds
-        for i in range(d, d + len(plan.load_keys)):
-            table.residency[i] = Residency.DEVICE if done.success else Residency.NONE
         t = seq.timings
         if not done.success:  # what the load was to bring back is computed again: tier time
             t.state_tokens = max(t.state_tokens, plan.start)
@@ -243,8 +237,8 @@ class Scheduler:
         seq.restore_bytes -= len(plan.load_keys) * self.tier.block_bytes
         if seq.num_restored_tokens == 0:
             seq.lossy = False
-        if seq.residency in ("host", "disk", "remote") and seq.num_restored_tokens == 0:
-            seq.residency = "recomputed"
+        if seq.residency.restored and seq.num_restored_tokens == 0:
+            seq.residency = Residency.RECOMPUTED
         return False
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
@@ -277,13 +271,13 @@ class Scheduler:
         computed = seq.num_computed_tokens
         if not self.tier.enabled or computed == 0:
             return False
-        cap = self.tier_config.max_offload_tokens
+        cap = self.policy.max_offload_tokens
         if cap is not None and computed > cap:
             return False
         bs = self.block_size
         table = self.kv.tables[seq.request_id]
         nfull, nblocks = computed // bs, -(-computed // bs)
-        if not self.tier.swap_worth_it(computed, nblocks, self.tier_config.preemption_mode):
+        if not self.tier.swap_worth_it(computed, nblocks, self.policy.preemption_mode):
             return False
         keys = list(table.keys[:nfull])
         tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(nfull)]
@@ -334,11 +328,11 @@ class Scheduler:
 
     def _write_through(self, seq: Sequence) -> None:
         table = self.kv.tables.get(seq.request_id)
-        if table is None or self.tier_config.kv_write_policy != "write_through":
+        if table is None or self.policy.kv_write_policy is not WritePolicy.WRITE_THROUGH:
             return
         bs = self.block_size
         full = min(len(table.keys), seq.num_computed_tokens // bs)
-        cap = self.tier_config.max_offload_tokens
+        cap = self.policy.max_offload_tokens
         if cap is not None:
             full = min(full, cap // bs)
         tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]

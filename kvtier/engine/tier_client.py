@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from kvtier.cache.block_pool import BlockPool
-from kvtier.config import EngineConfig
+from kvtier.config import EngineConfig, OffloadPolicy, WritePolicy
 from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
 from kvtier.errors import ConfigError
 from kvtier.model.runner import ModelRunner
@@ -26,11 +25,11 @@ from kvtier.tier import (
     NO_MATCH,
     BlockKey,
     Event,
+    Faults,
     KVLayout,
     Match,
     StoreDone,
     Tier,
-    TierConfig,
     TierStats,
     WorkerReport,
     build,
@@ -43,30 +42,30 @@ PREFILL_OBSERVE_TOKENS = 64  # steps with at least this much prefill refine the 
 class TierClient:
     """A tier under kvtier's device pool."""
 
-    def __init__(self, tier: Tier, pool: BlockPool, config: TierConfig) -> None:
+    def __init__(self, tier: Tier, pool: BlockPool, policy: OffloadPolicy) -> None:
         self.tier = tier
         self.manager = tier.manager
         self.worker = tier.worker
         self.pool = pool
-        self.config = config  # what the tier was built from
+        self.policy = policy  # how this engine uses the tier
         self.demoted_blocks = 0  # idle blocks whose device copy was dropped
         self._stalls: dict[str, float] = {}  # request id -> layerwise wait in the last step
 
     @classmethod
     def build(cls, config: EngineConfig, runner: ModelRunner, pool: BlockPool,
-              namespace: bytes) -> TierClient | NullTier:
+              namespace: bytes, faults: Faults) -> TierClient | NullTier:
         """`namespace`: the engine's fingerprint digest, which every block below host
         carries. A NullTier when `kv_offloading_size` is 0."""
         if not config.offload.enabled:
-            return NullTier(config.offload)
+            return NullTier(config.policy)
         if not config.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_offloading_size > 0 needs enable_prefix_caching=True: the host tier finds "
                 "blocks by their prefix keys, so nothing would ever be offloaded"
             )
         tier = build(config.offload, KVLayout.from_contiguous(runner.kv), namespace,
-                     runner.block_size, measure_prefill(runner))
-        return cls(tier, pool, config.offload)
+                     runner.block_size, measure_prefill(runner), faults)
+        return cls(tier, pool, config.policy)
 
     # -- what the scheduler asks ---------------------------------------------------------
 
@@ -101,7 +100,8 @@ class TierClient:
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool) -> int | None:
-        return self.manager.allocated(request_id, match, blocks, layerwise)
+        exclusive = self.policy.kv_write_policy is WritePolicy.WRITE_BACK
+        return self.manager.allocated(request_id, match, blocks, layerwise, exclusive)
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         self.manager.finished(request_id, swap_keys)
@@ -129,9 +129,9 @@ class TierClient:
     def demote_idle(self, now: float) -> None:
         """Cached device blocks unused for `idle_offload_s`: make sure the host has them, then
         drop the device copy, so an idle session stops holding device memory."""
-        if self.config.idle_offload_s <= 0:
+        if self.policy.idle_offload_s <= 0:
             return
-        cutoff = now - self.config.idle_offload_s
+        cutoff = now - self.policy.idle_offload_s
         self._store_free_blocks(self.pool.cached_free(self.pool.num_blocks, idle_before=cutoff),
                                 demote=True)
 
@@ -169,32 +169,25 @@ class TierClient:
         if keys:
             self.store(missing, keys, tokens, demote=demote, evict_first=True)
 
-    # -- jobs and results ----------------------------------------------------------------
+    # -- jobs and results: the tier drives them; StoreDone is the pool's -------------------
 
     def submit(self) -> None:
         """Hand every job decided since the last call to the worker."""
-        for job in self.manager.take_jobs():
-            self.worker.submit(job)
+        self.tier.submit()
 
     def reap(self) -> list[Event]:
         """Apply every job that finished since the last call; the events for the scheduler."""
-        return self._apply(self.worker.poll())
+        return self._pool_events(self.tier.reap())
 
     def wait_any(self) -> list[Event]:
-        """Nothing can run until a job lands (a swap frees blocks, a load or fetch wakes a
-        sequence) or a presence answer comes: block on the oldest."""
-        self.submit()
-        results = self.worker.wait_any()
-        if not results:
-            self.manager.wait_presence()
-        return self._apply(results)
+        """Nothing can run until a job lands or a presence answer comes: block on it."""
+        return self._pool_events(self.tier.wait_any())
 
-    def _apply(self, results: Sequence[Any]) -> list[Event]:
-        events = self.manager.apply(results)
+    def _pool_events(self, events: Sequence[Event]) -> list[Event]:
+        """Settle the device pool's side of every StoreDone; the rest for the scheduler."""
         for event in events:
             if isinstance(event, StoreDone):
                 self._stored(event)
-        self.submit()  # a finished store may have queued writes below host
         return [e for e in events if not isinstance(e, StoreDone)]
 
     def _stored(self, done: StoreDone) -> None:
@@ -216,7 +209,7 @@ class TierClient:
         def barrier(layer: int) -> None:
             for rid, job in jobs:
                 begin = time.perf_counter()
-                self.worker.wait_layer(job, layer)  # False (failed) is handled after the step
+                self.tier.wait_layer(job, layer)  # False (failed) is handled after the step
                 self._stalls[rid] = self._stalls.get(rid, 0.0) + time.perf_counter() - begin
 
         return barrier
@@ -229,9 +222,11 @@ class TierClient:
 
     def finish_layerwise(self, batch: SchedulerOutput) -> list[Event]:
         """Collect this step's layerwise loads (a failed one voids its sequence's step)."""
-        results = [self.worker.wait(s.wait_ref) for s in batch.scheduled
-                   if s.wait_ref is not None and self.worker.in_flight(s.wait_ref)]
-        return self._apply(results)
+        events: list[Event] = []
+        for s in batch.scheduled:
+            if s.wait_ref is not None:
+                events += self.tier.wait(s.wait_ref)
+        return self._pool_events(events)
 
     def observe_prefill(self, batch: SchedulerOutput, seconds: float) -> None:
         """Score and refine the planner's recompute estimate on steps that are mostly prefill."""
@@ -241,15 +236,11 @@ class TierClient:
 
     @property
     def busy(self) -> bool:
-        return self.manager.busy or self.worker.busy
+        return self.tier.busy
 
     def drain(self) -> list[Event]:
         """Submit what was decided and wait until no job is in flight; the events seen."""
-        events: list[Event] = []
-        self.submit()
-        while self.busy:
-            events += self.wait_any()
-        return events
+        return self._pool_events(self.tier.drain())
 
     def write_down(self) -> list[Event]:
         """Before a clean exit with a disk or remote tier: every cached block still only on
@@ -258,19 +249,14 @@ class TierClient:
         if not self.manager.below_host:
             return []
         events = self.drain()
-        events += self._flush()  # what only host holds goes down first: the batches evict it
+        # What only host holds goes down first: the batches below evict it.
+        events += self._pool_events(self.tier.write_down_host())
         batch = max(1, self.manager.host_slots // 2)  # a host smaller than the device
         for _ in range(-(-self.pool.num_blocks // batch)):  # bounded: stores may fail
             if not self.demote_all(batch):  # demoted blocks leave the device cache
                 break
             events += self.drain()
-            events += self._flush()
-        return events
-
-    def _flush(self) -> list[Event]:
-        self.manager.write_down_host()
-        events = self.drain()
-        self.worker.flush()
+            events += self._pool_events(self.tier.write_down_host())
         return events
 
     def close(self) -> None:
@@ -287,8 +273,8 @@ class NullTier:
     busy = False
     demoted_blocks = 0
 
-    def __init__(self, config: TierConfig) -> None:
-        self.config = config
+    def __init__(self, policy: OffloadPolicy) -> None:
+        self.policy = policy
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 from kvtier.stats import percentile
+from kvtier.tier import Residency
 
 
 class TurnRequest(Protocol):
@@ -36,7 +37,7 @@ class SimRecord:
 
     session_id: Hashable
     turn: int
-    residency: str
+    residency: Residency
     arrival_s: float
     ttft_s: float
     context: int  # tokens of prior state the turn found (0 for a new session)
@@ -79,7 +80,7 @@ def _in_class(cls: str, record: SimRecord) -> bool:
 def ttft_table(records: Sequence[SimRecord]) -> dict[str, dict[str, float | int | None]]:
     """Count, p50 and p99 of TTFT for "all" and every residency class (None where empty)."""
     table: dict[str, dict[str, float | int | None]] = {}
-    for cls in ("all", *RESIDENCY_CLASSES):
+    for cls in ("all", *(c.value for c in RESIDENCY_CLASSES)):
         values = [r.ttft_s for r in records if _in_class(cls, r)]
         table[cls] = {"count": len(values), "p50": percentile(values, 50),
                       "p99": percentile(values, 99)}
@@ -89,7 +90,7 @@ def ttft_table(records: Sequence[SimRecord]) -> dict[str, dict[str, float | int 
 def split_table(records: Sequence[SimRecord]) -> Split:
     """p50 and p90 of each TTFT part per class: the shape of the bench summary's split_s."""
     table: Split = {}
-    for cls in ("all", *RESIDENCY_CLASSES):
+    for cls in ("all", *(c.value for c in RESIDENCY_CLASSES)):
         chosen = [r for r in records if _in_class(cls, r)]
         table[cls] = {}
         for part in SPLIT_PARTS:

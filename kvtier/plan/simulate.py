@@ -54,6 +54,7 @@ from kvtier.plan.analysis import (
 from kvtier.plan.hardware import GIB, Hardware
 from kvtier.plan.models import ModelShape
 from kvtier.plan.simrecords import SimRecord, SimResult, TurnRequest, summarize
+from kvtier.tier import Residency
 
 __all__ = ["SimRecord", "SimResult", "TurnRequest", "simulate"]
 
@@ -119,7 +120,7 @@ class _Admitted:
 
     req: TurnRequest
     arrival_s: float
-    residency: str
+    residency: Residency
     context: int
     total_tokens: int  # the session's context once this turn's output is done
     prefill_s: float = 0.0  # the prefill's own compute, before the one-forward floor
@@ -248,25 +249,26 @@ class _Sim:
         held = ctx * self.per_token
         self.busy.add(sid)
         if s.where == "device":
-            residency, tokens, cached = "resident", new, ctx
+            residency, tokens, cached = Residency.RESIDENT, new, ctx
             self.device.pop(sid)
         elif s.where == "host" and self.planner.decide(ctx, held, self.mode).choice == "restore":
             self.host.pop(sid)
-            residency, tokens, cached = "host", new, ctx
+            residency, tokens, cached = Residency.HOST, new, ctx
         else:
             if s.where == "host":
                 self.host.pop(sid)
-            residency, tokens, cached = ("recomputed" if ctx else "new"), ctx + new, 0
+            residency = Residency.RECOMPUTED if ctx else Residency.NEW
+            tokens, cached = ctx + new, 0
         work = self.compute_s(tokens, cached)
         after = self.tokens_after_turn(sid)
         total = after * self.per_token
         self.make_room(t, total)
         self.device.put(sid, total)
         s.where = "device"
-        share = self.planner.prefill_s(ctx, 0) if residency == "recomputed" else 0.0
+        share = self.planner.prefill_s(ctx, 0) if residency is Residency.RECOMPUTED else 0.0
         self.pending[sid] = _Admitted(req, arrival, residency, ctx, after,
                                       self.step_prefill_s(tokens, cached), share, t)
-        if residency != "host":
+        if residency is not Residency.HOST:
             self.push(t, "ready", sid, work)
         elif self.shared and self.stepping:
             # The engine admits between steps: the restore starts when the running step

@@ -17,6 +17,7 @@ the bytes side is imported only when first named, so bookkeeping alone never loa
 from typing import TYPE_CHECKING, Any
 
 from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, host_slot_count
+from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
@@ -25,6 +26,7 @@ from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import NO_MATCH, Match, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
+from kvtier.tier.residency import Residency
 
 if TYPE_CHECKING:
     from kvtier.tier.wiring import (
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GIB",
+    "NO_FAULTS",
     "NO_MATCH",
     "SAFE_RAM_SHARE",
     "BelowReport",
@@ -46,6 +49,7 @@ __all__ = [
     "Choice",
     "Decision",
     "Event",
+    "Faults",
     "FetchDone",
     "Fingerprint",
     "Job",
@@ -55,6 +59,7 @@ __all__ = [
     "Medium",
     "Planner",
     "Reason",
+    "Residency",
     "Result",
     "SchedulerTier",
     "StoreDone",

@@ -1,6 +1,7 @@
 """The scheduler's side of the tiers below host memory: what goes down, what comes back up.
 
-Deeper tiers (disk, a shared Redis) are staged through host memory, two hops each way:
+Deeper tiers (disk, a shared Redis, any `SecondaryIndex`) are a list, walked in order (the
+nearest first), and staged through host memory, two hops each way:
   down  a block whose host store completed is written on to every deeper tier (`host_stored`);
         its host slot is pinned until the write lands, so the bytes cannot change under it
   up    a waiting request whose prefix continues below host fetches those blocks into fresh
@@ -18,15 +19,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.tier.index.disk import DiskTier
+from kvtier.tier.index.base import SecondaryIndex
 from kvtier.tier.index.host import HostTier
-from kvtier.tier.index.remote import RemoteTier
 from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Result
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.report import BelowReport
 
 log = logging.getLogger(__name__)
-DISK, REMOTE = Medium.DISK, Medium.REMOTE
 PRESENCE_WAIT_S = 1.0
 
 
@@ -45,16 +44,20 @@ class BelowStats:
 @dataclass
 class _Pending:
     job: Job
-    request_id: str | None = None
+    request_id: str = ""  # a fetch's request ("" for a write)
     predicted_s: float | None = None
 
 
 class BelowHost:
-    """Coordinates the host tier's slots with the disk and remote tiers for the manager."""
+    """Coordinates the host tier's slots with the tiers below it for the manager; with no
+    tier below, every question has the empty answer (a null case, not a None)."""
 
-    def __init__(self, host: HostTier, disk: DiskTier | None, remote: RemoteTier | None,
-                 block_bytes: int, ids: Iterator[int], encoding: str = "") -> None:
-        self.host, self.disk, self.remote = host, disk, remote
+    def __init__(self, host: HostTier, tiers: Sequence[SecondaryIndex], block_bytes: int,
+                 ids: Iterator[int], encoding: str = "") -> None:
+        self.host = host
+        self.tiers = tuple(tiers)  # nearest first: lookups and fetches walk them in order
+        self._by_medium = {t.medium: t for t in self.tiers}
+        assert len(self._by_medium) == len(self.tiers), "one tier per medium"
         self.block_bytes = block_bytes  # bytes of one block as the tiers below store it
         self.encoding = encoding  # "" exact, or the lossy encoding of every block below host
         self.jobs: dict[int, _Pending] = {}
@@ -63,9 +66,21 @@ class BelowHost:
         self._ids = ids
         self._logged: set[tuple[bool, str]] = set()
         self.stats = BelowStats()
-        if disk is not None:  # found on disk at start and refused: misses, by reason
-            for reason, n in disk.unusable_at_start.items():
-                self.stats.misses[f"{DISK.value}:{reason}"] += n
+        for tier in self.tiers:  # found at start and refused: misses, by reason
+            for reason, n in tier.unusable_at_start.items():
+                self.stats.misses[f"{tier.medium.value}:{reason}"] += n
+
+    def __bool__(self) -> bool:
+        """Whether any tier is configured below host memory."""
+        return bool(self.tiers)
+
+    def tier(self, medium: Medium) -> SecondaryIndex:
+        """The tier below host of this medium (KeyError if there is none)."""
+        return self._by_medium[medium]
+
+    def deepest(self, media: Sequence[Medium]) -> Medium:
+        """Of the media a job touches, the one furthest from host (what it waits on)."""
+        return next(t.medium for t in reversed(self.tiers) if t.medium in media)
 
     def report(self) -> BelowReport:
         """A frozen snapshot of the traffic, misses and occupancy below host."""
@@ -76,24 +91,26 @@ class BelowHost:
             fetched_bytes=dict(s.fetched_bytes), fetch_seconds=dict(s.fetch_seconds),
             misses=dict(s.misses), refused=s.refused,
             encoding=self.encoding,
-            disk=self.disk.stats if self.disk is not None else None,
-            remote=self.remote.stats if self.remote is not None else None,
-            lookups_answered_absent=(self.remote.presence.errors if self.remote is not None
-                                     else 0))
+            stores={t.medium.value: t.stats for t in self.tiers},
+            lookups_answered_absent=sum(t.answered_absent for t in self.tiers))
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
 
     def take_jobs(self) -> list[Job]:
         jobs, self._outbox = self._outbox, []
         return jobs
 
     def wait_presence(self, timeout: float = PRESENCE_WAIT_S) -> None:
-        """Block until the remote store has answered what was asked (or `timeout`)."""
-        if self.remote is not None:
-            self.remote.presence.wait(timeout)
+        """Block until every store has answered what was asked (or `timeout` each)."""
+        for tier in self.tiers:
+            tier.wait(timeout)
 
     @property
     def busy(self) -> bool:
         """A job decided or running, or a presence question asked and not yet answered."""
-        return bool(self.jobs) or (self.remote is not None and self.remote.pending)
+        return bool(self.jobs) or any(t.pending for t in self.tiers)
 
     # -- down ---------------------------------------------------------------------------
 
@@ -102,54 +119,51 @@ class BelowHost:
         if not keys:
             return
         tokens = [self.host.tokens_of(k) for k in keys]
-        if self.disk is not None:
-            prepared = self.disk.prepare_store(keys, tokens)
+        where = dict(zip(keys, tokens))
+        for tier in self.tiers:
+            prepared = tier.prepare_store(keys, tokens)
             if prepared is None:
                 self.stats.refused += 1
             elif prepared.keys:
-                where = dict(zip(keys, tokens))
-                self._write(DISK, prepared.keys, [where[k] for k in prepared.keys],
+                self._write(tier.medium, prepared.keys, [where[k] for k in prepared.keys],
                             prepared.slots)
-        if self.remote is not None:
-            new = self.remote.prepare_store(keys)
-            if new:
-                where = dict(zip(keys, tokens))
-                self._write(REMOTE, new, [where[k] for k in new], [-1] * len(new))
 
     def _write(self, tier: Medium, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
-               disk_slots: Sequence[int]) -> None:
+               slots: Sequence[int]) -> None:
         # The row must not change (or be evicted) while it is read; a hold, not a load.
         self.host.hold(keys)
         host_slots = [self.host.slot_of(k) for k in keys]
         self._add(_Pending(Job(next(self._ids), Medium.HOST, tier, tuple(host_slots),
                                keys=tuple(keys), tokens=tuple(tuple(t) for t in tokens),
-                               media=(tier,) * len(keys), disk_slots=tuple(disk_slots))))
+                               media=(tier,) * len(keys), below_slots=tuple(slots))))
 
-    def on_disk(self, key: BlockKey) -> bool:
-        """Whether the disk tier holds `key` complete (a local answer; Redis is not asked)."""
-        return self.disk is not None and self.disk.lookup([key]) == 1
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
+        return any(t.local and t.lookup([key]) == 1 for t in self.tiers)
 
     def write_down_host(self) -> None:
-        """Every block complete on host that the disk tier lacks goes down (shutdown: so a
+        """Every block complete on host that a local tier lacks goes down (shutdown: so a
         restart finds it)."""
-        if self.disk is None:
-            return
-        self.host_stored([k for k in self.host.complete_keys() if self.disk.lookup([k]) == 0])
+        local = [t for t in self.tiers if t.local]
+        if local:
+            self.host_stored([k for k in self.host.complete_keys()
+                              if any(t.lookup([k]) == 0 for t in local)])
 
     # -- up -----------------------------------------------------------------------------
 
     def hits(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]
              ) -> list[Medium] | None:
-        """The tier of each leading key found below host (disk first, then remote); None
-        while the remote store's answer is still on its way (never blocks)."""
+        """The tier of each leading key found below host, walking the tiers in order (each
+        continues where the one before it stopped); None while a store's answer is still
+        on its way (never blocks)."""
         found: list[Medium] = []
-        if self.disk is not None:
-            found += [DISK] * self.disk.lookup(keys, tokens)
-        if self.remote is not None and len(found) < len(keys):
-            remote = self.remote.lookup(keys[len(found):])
-            if remote is None:
+        for tier in self.tiers:
+            if len(found) == len(keys):
+                break
+            n = tier.lookup(keys[len(found):], tokens[len(found):])
+            if n is None:
                 return None
-            found += [REMOTE] * remote
+            found += [tier.medium] * n
         return found
 
     def fetch(self, request_id: str, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
@@ -169,12 +183,14 @@ class BelowHost:
                 self.host.complete_store(prepared.keys, False)
             self.stats.refused += 1
             return False
-        disk_keys = [k for k, t in zip(keys, tiers) if t == DISK]
-        slots = dict(zip(disk_keys, self.disk.prepare_load(disk_keys))) if disk_keys else {}
-        src = REMOTE if REMOTE in tiers else DISK
-        job = Job(next(self._ids), src, Medium.HOST, tuple(prepared.slots), keys=tuple(keys),
-                  tokens=tuple(tuple(t) for t in tokens), media=tuple(tiers),
-                  disk_slots=tuple(slots.get(k, -1) for k in keys))
+        slots: dict[BlockKey, int] = {}
+        for tier in self.tiers:
+            mine = [k for k, m in zip(keys, tiers) if m is tier.medium]
+            if mine:
+                slots.update(zip(mine, tier.prepare_load(mine)))
+        job = Job(next(self._ids), self.deepest(tiers), Medium.HOST, tuple(prepared.slots),
+                  keys=tuple(keys), tokens=tuple(tuple(t) for t in tokens), media=tuple(tiers),
+                  below_slots=tuple(slots[k] for k in keys))
         self._add(_Pending(job, request_id, predict(len(keys)) if predict else None))
         return True
 
@@ -191,37 +207,33 @@ class BelowHost:
 
     # -- results ------------------------------------------------------------------------
 
+    def owns(self, job_id: int) -> bool:
+        return job_id in self.jobs
+
     def finish(self, outcome: Result) -> FetchDone | None:
         """Apply a finished job; a fetch returns what its request needs to know."""
         pending = self.jobs.pop(outcome.job_id)
         t = pending.job
-        good = [k for k, ok in zip(t.keys, outcome.ok) if ok]
-        bad = [k for k, ok in zip(t.keys, outcome.ok) if not ok]
-        writing = t.src is Medium.HOST
-        for tier, reason in zip(t.media, outcome.reasons):
-            if reason and reason != SKIPPED:
-                self._failed(tier, str(reason), writing)
-        if writing:  # a failed write is a write failure, never also a miss
+        failed = [bool(r) and r != SKIPPED for r in outcome.reasons]  # not SKIPPED, not OK
+        for medium, reason, bad in zip(t.media, outcome.reasons, failed):
+            if bad:
+                self._failed(medium, str(reason), t.src is Medium.HOST)
+        if t.src is Medium.HOST:  # a write; a failed one is a write failure, never a miss
             self.host.release(t.keys)
-            tier = t.dst
-            if tier == DISK:
-                assert self.disk is not None
-                for keys, ok in ((good, True), (bad, False)):
-                    if keys:
-                        self.disk.complete_store(keys, ok)
-            else:
-                assert self.remote is not None
-                self.remote.complete_store(good, True)
-                self.remote.complete_store(bad, False)
-            self.stats.written[tier.value] += len(good)
-            self.stats.written_bytes[tier.value] += outcome.nbytes
-            self.stats.write_failures[tier.value] += len(bad)
+            good = [k for k, ok in zip(t.keys, outcome.ok) if ok]
+            bad_keys = [k for k, ok in zip(t.keys, outcome.ok) if not ok]
+            tier = self.tier(t.dst)
+            for keys, ok in ((good, True), (bad_keys, False)):
+                if keys:
+                    tier.complete_store(keys, ok)
+            self.stats.written[t.dst.value] += len(good)
+            self.stats.written_bytes[t.dst.value] += outcome.nbytes
+            self.stats.write_failures[t.dst.value] += len(bad_keys)
             return None
         # A fetch serves only its leading verified run: a prefix cannot skip a block.
         n = next((i for i, ok in enumerate(outcome.ok) if not ok), len(t.keys))
         if n:
             self.host.complete_store(t.keys[:n], True)
-            assert pending.request_id is not None
             # Pinned until its request is admitted, while holds leave half the host to
             # stores and other fetches (requests waiting on device room must not starve it).
             if sum(map(len, self.held.values())) + n <= self.host.num_slots // 2:
@@ -229,25 +241,18 @@ class BelowHost:
                 self.held[pending.request_id] = list(t.keys[:n])
         if n < len(t.keys):
             self.host.complete_store(t.keys[n:], False)
-        disk_keys = [k for k, tier in zip(t.keys, t.media) if tier == DISK]
-        if disk_keys:
-            assert self.disk is not None
-            self.disk.complete_load(disk_keys, success=not bad)
-            dropped = [k for k, tier, r in zip(t.keys, t.media, outcome.reasons)
-                       if tier == DISK and r and r != SKIPPED]
-            self.disk.remove(dropped)  # failed verification or I/O: never a hit again
-        if self.remote is not None:
-            remote_n = sum(1 for tier in t.media[:n] if tier == REMOTE)
-            remote_bad = sum(1 for tier, r in zip(t.media, outcome.reasons)
-                             if tier == REMOTE and r and r != SKIPPED)
-            self.remote.complete_load(remote_n, remote_bad)
-        for tier in t.media[:n]:
-            self.stats.fetched[tier.value] += 1
-        source = REMOTE if REMOTE in t.media[:n] else DISK if n else None
-        if source is not None:
+        whole_ok = all(outcome.ok)
+        for tier in self.tiers:
+            mine = [i for i, m in enumerate(t.media) if m is tier.medium]
+            if mine:
+                tier.complete_fetch([t.keys[i] for i in mine], sum(1 for i in mine if i < n),
+                                    [t.keys[i] for i in mine if failed[i]], whole_ok)
+        for medium in t.media[:n]:
+            self.stats.fetched[medium.value] += 1
+        source = self.deepest(t.media[:n]) if n else None
+        if n:
             self.stats.fetched_bytes[source.value] += outcome.nbytes  # as stored
             self.stats.fetch_seconds[source.value] += outcome.seconds
-        assert pending.request_id is not None
         whole = n == len(t.keys)
         return FetchDone(pending.request_id, n, source, missed=len(t.keys) - n,
                          predicted_s=pending.predicted_s if whole else None)

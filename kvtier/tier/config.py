@@ -25,17 +25,12 @@ def host_slot_count(size_gib: float, slot_bytes: int) -> int:
             f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
             f"{slot_bytes} bytes ({slot_bytes / GIB:.6f} GiB); raise it")
     return num_slots
-WRITE_POLICIES = ("write_through", "write_back")
-PREEMPTION_MODES = ("auto", "swap", "recompute")
-LOAD_MODES = ("async", "layerwise")
 _RATE: Bounds = (0.0, 1e6)  # GB/s; "> 0" is checked with its own message
 _SECONDS: Bounds = (0.0, 1e9)
 # Ranges of the numeric knobs: past these a value is a typo, not a machine.
 BOUNDS: dict[str, Bounds] = {
     "kv_offloading_size": (0.0, 2.0**20),  # GiB: 1 PiB of host memory
-    "idle_offload_s": _SECONDS,
     "max_load_tokens": (0, 2**31),
-    "max_offload_tokens": (0, 2**31),
     "blocks_per_chunk": (1, 2**20),
     "max_store_gbps": _RATE,
     "disk_kv_size": (0.0, 2.0**24),  # GiB: 16 PiB of disk
@@ -48,16 +43,13 @@ BOUNDS: dict[str, Bounds] = {
 
 @dataclass(frozen=True)
 class TierConfig:
-    """The host-memory KV tier and the tiers below it: off until given a size, as in vLLM."""
+    """The host-memory KV tier and the tiers below it: off until given a size, as in vLLM.
+    What the tier itself enforces, under any client; an engine's policies for using it
+    (write-back, idle demotion, preemption, layer-wise loads) are that engine's own."""
 
     kv_offloading_size: float = 0.0  # GiB of host memory (pinned on CUDA); 0 = off
-    kv_write_policy: str = "write_through"  # finished prefixes go down at finish, or on eviction
     eviction_policy: str = "lru"  # host tier: lru | arc
-    idle_offload_s: float = 0.0  # demote cached blocks idle this long even without pressure; 0=off
-    preemption_mode: str = "auto"  # auto: the planner picks swap or recompute per sequence
-    load_mode: str = "async"  # async: wait for the whole load; layerwise: overlap with compute
     max_load_tokens: int | None = None  # per request; the rest is recomputed
-    max_offload_tokens: int | None = None  # per request
     blocks_per_chunk: int = 16
     # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
     # decode, which is bound by it. None: copy as fast as the link allows. Loads never wait.
@@ -102,19 +94,8 @@ class TierConfig:
             raise ConfigError(
                 f"kv_offloading_size={self.kv_offloading_size} GiB must be >= 0 (0 = off)"
             )
-        for name, value, choices in (
-            ("kv_write_policy", self.kv_write_policy, WRITE_POLICIES),
-            ("preemption_mode", self.preemption_mode, PREEMPTION_MODES),
-            ("load_mode", self.load_mode, LOAD_MODES),
-        ):
-            if value not in choices:
-                raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
-        if self.idle_offload_s < 0:
-            raise ConfigError(f"idle_offload_s={self.idle_offload_s} must be >= 0 (0 = off)")
-        for name, cap in (("max_load_tokens", self.max_load_tokens),
-                          ("max_offload_tokens", self.max_offload_tokens)):
-            if cap is not None and cap < 0:
-                raise ConfigError(f"{name}={cap} must be >= 0")
+        if self.max_load_tokens is not None and self.max_load_tokens < 0:
+            raise ConfigError(f"max_load_tokens={self.max_load_tokens} must be >= 0")
         if self.blocks_per_chunk < 1:
             raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
         if self.max_store_gbps is not None and not self.max_store_gbps > 0:

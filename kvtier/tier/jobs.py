@@ -72,7 +72,7 @@ class Job:
     keys: tuple[BlockKey, ...] = ()  # below host: the key each block's header carries
     tokens: tuple[tuple[int, ...], ...] = ()  # below host: its token ids (verified on fetch)
     media: tuple[Medium, ...] = ()  # below host, per key: the deeper tier it lives on
-    disk_slots: tuple[int, ...] = ()  # below host, per key: its disk slot, -1 if not on disk
+    below_slots: tuple[int, ...] = ()  # below host, per key: its slot there, -1 if slotless
 
     @property
     def num_blocks(self) -> int:

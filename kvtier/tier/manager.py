@@ -12,7 +12,7 @@ Primitives, in the order a client calls them:
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
 and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
-observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy.
+observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy, close().
 Between a job's creation and its result, its host slots are pinned in the host index (and
 a deeper tier's slots in theirs): neither is evicted nor handed out again.
 """
@@ -66,6 +66,7 @@ class _Pending:
     predicted_s: float | None = None
     demote: bool = False
     evict_first: bool = False
+    exclusive: bool = False  # a load after which the host copy is dropped (write-back)
 
 
 @dataclass
@@ -81,13 +82,13 @@ class TierManager:
     """Coordinates the host index, the tiers below it and the planner for one client."""
 
     def __init__(self, config: TierConfig, block_size: int, host: HostTier, planner: Planner,
-                 block_bytes: int, below: BelowHost | None, ids: Iterator[int]) -> None:
+                 block_bytes: int, below: BelowHost, ids: Iterator[int]) -> None:
         self.config = config
         self.block_size = block_size
         self.host = host
         self.planner = planner
         self.block_bytes = block_bytes  # bytes of one block across the host link
-        self.below = below
+        self.below = below  # the tiers below host; empty (and false) when there are none
         self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
         self.stats = TransferCounts()
         self._ids = ids
@@ -102,18 +103,17 @@ class TierManager:
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a tier below the device already keeps `key` (host, or the local disk)."""
-        return self.host.lookup([key]) == 1 or (self.below is not None
-                                                and self.below.on_disk(key))
+        return self.host.lookup([key]) == 1 or self.below.holds(key)
 
     @property
     def busy(self) -> bool:
         """A job decided or running, or a presence answer awaited."""
-        return bool(self._pending) or (self.below is not None and self.below.busy)
+        return bool(self._pending) or self.below.busy
 
     @property
     def below_host(self) -> bool:
         """Whether a tier below host memory (disk, Redis) is configured."""
-        return self.below is not None
+        return bool(self.below)
 
     @property
     def host_slots(self) -> int:
@@ -121,8 +121,7 @@ class TierManager:
 
     def wait_presence(self) -> None:
         """Block until the remote store has answered what was asked (or a short timeout)."""
-        if self.below is not None:
-            self.below.wait_presence()
+        self.below.wait_presence()
 
     def decide(self, tokens: int, nbytes: int, mode: str = "auto", via: str | None = None
                ) -> Decision:
@@ -134,6 +133,10 @@ class TierManager:
         """A measured prefill of `tokens`: scores and refines the recompute estimate."""
         self.planner.observe_prefill(tokens, seconds, self.planner.recompute_s(tokens))
 
+    def close(self) -> None:
+        """Stop the tiers' own threads (a remote presence thread); the worker is closed apart."""
+        self.below.close()
+
     def report(self) -> TierStats:
         """A frozen snapshot of everything the scheduler side counts (see report.py)."""
         return TierStats(
@@ -141,7 +144,7 @@ class TierManager:
             calibration={**vars(self.planner.calibration),
                          "tier_gbps": dict(self.planner.calibration.tier_gbps)},
             prediction_error=self.planner.error_report(),
-            below=self.below.report() if self.below is not None else None)
+            below=self.below.report() if self.below else None)
 
     # -- match and load -----------------------------------------------------------------
 
@@ -179,11 +182,10 @@ class TierManager:
 
     def _plan_fetch(self, state: _Request, keys: Sequence[BlockKey],
                     tokens: Sequence[Sequence[int]], media: list[Medium]) -> Match | None:
-        assert self.below is not None
         if not media:
             return None
         n = len(media)
-        via = Medium.REMOTE if Medium.REMOTE in media else Medium.DISK
+        via = self.below.deepest(media)
         decision = self.planner.decide(n * self.block_size, n * self.block_bytes, "auto",
                                        via.value, via_nbytes=n * self.below.block_bytes)
         if decision.choice == "recompute":
@@ -195,9 +197,9 @@ class TierManager:
     def fetch(self, request_id: str, match: Match) -> bool:
         """Start bringing `match.fetch_keys` up to host; False if the host has no room (those
         tokens are then recomputed, and counted so when the request is admitted)."""
-        assert self.below is not None and match.fetch_keys
+        assert match.fetch_keys
         below = self.below
-        via = (Medium.REMOTE if Medium.REMOTE in match.fetch_media else Medium.DISK).value
+        via = below.deepest(match.fetch_media).value
 
         def predict(n: int) -> float:
             return self.planner.fetch_s(via, n * below.block_bytes)
@@ -209,14 +211,15 @@ class TierManager:
         return False
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
-                  layerwise: bool = False) -> int | None:
+                  layerwise: bool = False, exclusive: bool = False) -> int | None:
         """The request is admitted with `device_blocks` for `match.load_keys`: start the
-        load and return its job id (None when there is nothing to load)."""
+        load and return its job id (None when there is nothing to load). `exclusive`: once
+        loaded, the device copy is the one that counts and the host slots are freed (a
+        client that writes blocks back when it evicts them)."""
         state = self._requests.get(request_id)
         if state is not None:
             state.declined_tokens = 0  # counted once, by this admission
-        if self.below is not None:
-            self.below.release(request_id)  # the load takes pins of its own
+        self.below.release(request_id)  # the load takes pins of its own
         if not match.load_keys:
             return None
         keys = list(match.load_keys)
@@ -225,14 +228,13 @@ class TierManager:
         job = Job(next(self._ids), Medium.HOST, Medium.DEVICE, tuple(slots),
                   device_blocks=tuple(device_blocks), layerwise=layerwise)
         predicted = match.decision.restore_s if match.decision is not None else None
-        self._add(_Pending(job, keys, request_id, predicted))
+        self._add(_Pending(job, keys, request_id, predicted, exclusive=exclusive))
         return job.id
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         """The request finished or was aborted: forget its state and its swap entries."""
         self._requests.pop(request_id, None)
-        if self.below is not None:
-            self.below.release(request_id)
+        self.below.release(request_id)
         self.forget(swap_keys)
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
@@ -266,8 +268,7 @@ class TierManager:
 
     def write_down_host(self) -> None:
         """Every block complete on host that the disk lacks goes down (before a restart)."""
-        if self.below is not None:
-            self.below.write_down_host()
+        self.below.write_down_host()
 
     # -- jobs and results ---------------------------------------------------------------
 
@@ -277,21 +278,18 @@ class TierManager:
 
     def take_jobs(self) -> list[Job]:
         jobs, self._outbox = self._outbox, []
-        if self.below is not None:
-            jobs += self.below.take_jobs()
-        return jobs
+        return jobs + self.below.take_jobs()
 
     def apply(self, results: Sequence[Result]) -> list[Event]:
         """Apply finished jobs, in order; the events for the client."""
         events: list[Event] = []
         for result in results:
-            pending = self._pending.pop(result.job_id, None)
-            if pending is not None:
-                events.append(self._finish(pending, result))
+            if result.job_id in self._pending:
+                events.append(self._finish(self._pending.pop(result.job_id), result))
                 continue
-            assert self.below is not None, f"result of unknown job {result.job_id}"
+            assert self.below.owns(result.job_id), f"result of unknown job {result.job_id}"
             done = self.below.finish(result)
-            if done is not None:
+            if done:
                 self._fetched(done, result)
                 events.append(done)
         return events
@@ -313,8 +311,8 @@ class TierManager:
             if ok:
                 self.stats.stored_blocks += len(pending.keys)
                 self.stats.stored_bytes += nbytes
-                if self.below is not None:  # the second hop: host -> disk / remote
-                    self.below.host_stored([k for k in pending.keys if not is_swap_key(k)])
+                # The second hop: host -> each tier below (none: nothing happens).
+                self.below.host_stored([k for k in pending.keys if not is_swap_key(k)])
             else:
                 self.stats.failed_stores += 1
             return StoreDone(job.id, job.device_blocks, ok, pending.demote, pending.evict_first)
@@ -322,7 +320,7 @@ class TierManager:
         swap = [k for k in pending.keys if is_swap_key(k)]
         if swap:
             self.host.remove(swap)  # a preempted sequence's own blocks serve it once
-        if ok and self.config.kv_write_policy == "write_back":
+        if ok and pending.exclusive:
             # Exclusive tiers: the device copy is now the one that counts and is written back
             # when evicted, so the host slot is freed and the two pools add up in capacity.
             self.host.remove(pending.keys)

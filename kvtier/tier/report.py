@@ -43,8 +43,7 @@ class BelowReport:
     misses: Mapping[str, int]  # "disk:checksum" -> blocks found but not served
     refused: int  # writes or fetches the host or disk tier had no room for
     encoding: str  # "" exact, else the lossy encoding of every block below host
-    disk: IndexStats | None
-    remote: IndexStats | None
+    stores: Mapping[str, IndexStats]  # each tier below host's index, by medium value
     lookups_answered_absent: int  # remote presence questions a failing store answered
 
 

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 from kvtier.errors import ConfigError
 from kvtier.tier.below import BelowHost
 from kvtier.tier.config import MIN_SECRET_NBYTES, TierConfig, host_slot_count
-from kvtier.tier.index.disk import DiskTier
+from kvtier.tier.driver import Tier
+from kvtier.tier.faults import NO_FAULTS, Faults
+from kvtier.tier.index.base import SecondaryIndex
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.remote import RemotePresence, RemoteTier
 from kvtier.tier.keys import Medium
@@ -27,23 +29,19 @@ from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.worker.block_mac import BlockMac
-from kvtier.tier.worker.disk_store import DiskStore
+from kvtier.tier.worker.disk_open import open_disk, read_disk_index
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
 from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.probes import (
-    measure_disk_gbps,
-    measure_link,
-    open_disk,
-    read_disk_index,
-    remote_rate,
-)
+from kvtier.tier.worker.probes import measure_disk_gbps, measure_link, remote_rate
+from kvtier.tier.worker.stores import DiskBlocks, RemoteBlocks, SecondaryStore
 from kvtier.tier.worker.worker import TierWorker
 
 if TYPE_CHECKING:
     from kvtier.tier.worker.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
+DISK, REMOTE = Medium.DISK.value, Medium.REMOTE.value
 MAX_SECRET_FILE_NBYTES = 4096  # a secret file holds one secret; more is the wrong file
 NO_SECRET_WARNING = (
     "kvtier: the remote tier has no secret, so its blocks are checksummed, not authenticated: "
@@ -52,43 +50,36 @@ NO_SECRET_WARNING = (
     "`head -c 32 /dev/urandom | base64 > FILE`) on every instance.")
 
 
-@dataclass(frozen=True)
-class Tier:
-    """A built tier: the scheduler's side and the bytes' side, joined by jobs and results."""
-
-    manager: TierManager
-    worker: TierWorker
-    presence: RemotePresence | None = None  # the remote presence thread, closed with the tier
-
-    def close(self) -> None:
-        """Stop every thread and give the memory back; jobs that never ran fail (unpinned)."""
-        if self.presence is not None:
-            self.presence.close()
-        self.manager.apply(self.worker.close())
-
-
 def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: int,
-          prefill_tokens_per_s: float) -> Tier:
+          prefill_tokens_per_s: float, faults: Faults = NO_FAULTS) -> Tier:
     """The host tier over `layout` (and disk / Redis below it when configured).
 
     `namespace`: the fingerprint digest every block below host carries; `block_size`:
     tokens per block; `prefill_tokens_per_s`: the client's measured prefill speed, the
-    planner's starting recompute estimate."""
+    planner's starting recompute estimate; `faults`: what a test makes fail."""
     _enabled(config)
     mac = remote_mac(config)  # a bad secret file stops the build before anything is allocated
     with ExitStack() as undo:  # anything opened is closed again if a later step fails
-        host, link = _host_and_link(config, layout, undo)
+        host, link = _host_and_link(config, layout, faults, undo)
         calibration = measure_link(link, host, prefill_tokens_per_s)
-        disk_store, disk_tier = None, None
+        stores: list[SecondaryStore] = []
+        indexes: list[SecondaryIndex] = []
         if config.disk_enabled:
-            disk_store, disk_tier = open_disk(config, host, namespace, block_size)
-            undo.callback(disk_store.close)
-        remote_store = _open_remote(config, namespace, undo, mac)
-        manager, presence = _manager(config, block_size, host.num_slots, host.slot_bytes,
-                                     host.encoding, link.layout.block_nbytes, calibration,
-                                     disk_tier, remote_store)
-        io = _io(config, host, namespace, disk_store, remote_store, mac)
-        tier = Tier(manager, TierWorker(host, link, io, disk_store, remote_store), presence)
+            disk, disk_index = _disk(config, host, namespace, block_size, undo)
+            stores.append(disk)
+            indexes.append(disk_index)
+            calibration.tier_gbps[DISK] = _disk_rate(config, host.slot_bytes)
+        if config.remote_enabled:
+            remote = RemoteBlocks(_open_remote(config, namespace, undo, mac), mac,
+                                  host.slot_bytes)
+            stores.append(remote)
+            indexes.append(_presence(remote.store, undo))
+            calibration.tier_gbps[REMOTE] = remote_rate(remote.store, host.slot_bytes,
+                                                        config.remote_kv_read_gbps)
+        manager = _manager(config, block_size, host.num_slots, host.slot_bytes, host.encoding,
+                           link.layout.block_nbytes, calibration, indexes)
+        io = TierIO(host, namespace, stores, faults.below)
+        tier = Tier(manager, TierWorker(host, link, io))
         undo.pop_all()
     return tier
 
@@ -98,14 +89,11 @@ class SchedulerTier:
     """The bookkeeping half, for a client whose bytes live in another process."""
 
     manager: TierManager
-    presence: RemotePresence | None = None
-    remote: RedisStore | None = None  # the presence thread's own connection
+    resources: ExitStack  # the presence thread's own store connection, closed last
 
     def close(self) -> None:
-        if self.presence is not None:
-            self.presence.close()
-        if self.remote is not None:
-            self.remote.close()
+        self.manager.close()
+        self.resources.close()
 
 
 def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
@@ -119,68 +107,67 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
         raise ConfigError("kv_offload_dtype (8-bit host slots) needs the scheduler and the "
                           "worker in one process; unset it")
     with ExitStack() as undo:
-        disk_tier = None
+        indexes: list[SecondaryIndex] = []
         if config.disk_enabled:
-            disk_tier = read_disk_index(config, block_nbytes, "", namespace, block_size)
-        # Presence only: the store's namespace, no warning (the worker side gives it).
-        remote_store = _open_remote(config, namespace, undo, remote_mac(config, warn=False))
-        manager, presence = _manager(config, block_size,
-                                     host_slot_count(config.kv_offloading_size, block_nbytes),
-                                     block_nbytes, "", block_nbytes, calibration, disk_tier,
-                                     remote_store)
-        side = SchedulerTier(manager, presence, remote_store)
-        undo.pop_all()
+            indexes.append(read_disk_index(config, block_nbytes, "", namespace, block_size))
+            calibration.tier_gbps[DISK] = _disk_rate(config, block_nbytes)
+        if config.remote_enabled:
+            # Presence only: the store's namespace, no warning (the worker side gives it).
+            store = _open_remote(config, namespace, undo, remote_mac(config, warn=False))
+            indexes.append(_presence(store, undo))
+            calibration.tier_gbps[REMOTE] = remote_rate(store, block_nbytes,
+                                                        config.remote_kv_read_gbps)
+        manager = _manager(config, block_size,
+                           host_slot_count(config.kv_offloading_size, block_nbytes),
+                           block_nbytes, "", block_nbytes, calibration, indexes)
+        side = SchedulerTier(manager, undo.pop_all())
     return side
 
 
 def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
-                      block_size: int) -> TierWorker:
+                      block_size: int, faults: Faults = NO_FAULTS) -> TierWorker:
     """The worker alone, over the KV memory the engine registered (vLLM's worker): it owns
     the host pool, the disk file (opened, locked, its bad slots invalidated) and the Redis
     connection its I/O thread reads and writes through."""
     _enabled(config)
     mac = remote_mac(config)
     with ExitStack() as undo:
-        host, link = _host_and_link(config, layout, undo)
-        disk_store = None
+        host, link = _host_and_link(config, layout, faults, undo)
+        stores: list[SecondaryStore] = []
         if config.disk_enabled:
-            disk_store, _ = open_disk(config, host, namespace, block_size)
-            undo.callback(disk_store.close)
-        remote_store = _open_remote(config, namespace, undo, mac)
-        io = _io(config, host, namespace, disk_store, remote_store, mac)
+            stores.append(_disk(config, host, namespace, block_size, undo)[0])
+        if config.remote_enabled:
+            stores.append(RemoteBlocks(_open_remote(config, namespace, undo, mac), mac,
+                                       host.slot_bytes))
+        io = TierIO(host, namespace, stores, faults.below)
         undo.pop_all()
-    return TierWorker(host, link, io, disk_store, remote_store)
+    return TierWorker(host, link, io)
 
 
 def _manager(config: TierConfig, block_size: int, host_slots: int, slot_bytes: int,
              encoding: str, block_nbytes: int, calibration: Calibration,
-             disk: DiskTier | None, remote_store: RedisStore | None
-             ) -> tuple[TierManager, RemotePresence | None]:
-    """The bookkeeping: the deeper tiers' read rates measured into `calibration`, then the
-    indexes (host, disk, remote presence), the planner and the manager over them."""
-    if disk is not None:
-        calibration.tier_gbps[Medium.DISK.value] = _disk_rate(config, slot_bytes)
-    if remote_store is not None:
-        calibration.tier_gbps[Medium.REMOTE.value] = remote_rate(
-            remote_store, slot_bytes, config.remote_kv_read_gbps)
+             tiers: list[SecondaryIndex]) -> TierManager:
+    """The bookkeeping: the host index, the planner (over `calibration`, the tiers' read
+    rates measured in) and the manager over the tiers below host."""
     ids = job_ids()
     host = HostTier(host_slots, config.eviction_policy)
-    presence = RemotePresence(remote_store.exists_many) if remote_store is not None else None
-    below = None
-    if disk is not None or presence is not None:
-        remote = RemoteTier(presence) if presence is not None else None
-        below = BelowHost(host, disk, remote, slot_bytes, ids, encoding)
-    return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below,
-                       ids), presence
+    below = BelowHost(host, tiers, slot_bytes, ids, encoding)
+    return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below, ids)
 
 
-def _io(config: TierConfig, host: HostPool, namespace: bytes, disk: DiskStore | None,
-        remote: RedisStore | None, mac: BlockMac | None) -> TierIO | None:
-    """The I/O thread to the tiers below host, if there is one."""
-    if disk is None and remote is None:
-        return None
-    return TierIO(host, namespace, disk, remote, disk_max_gbps=config.disk_kv_max_gbps,
-                  mac=mac)
+def _disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int,
+          undo: ExitStack) -> tuple[DiskBlocks, SecondaryIndex]:
+    """The disk file (opened, locked, its index rebuilt), closed by `undo` on a failure."""
+    store, index = open_disk(config, host, namespace, block_size)
+    undo.callback(store.close)
+    return DiskBlocks(store, config.disk_kv_max_gbps), index
+
+
+def _presence(store: RedisStore, undo: ExitStack) -> RemoteTier:
+    """The remote tier's index: presence asked of `store` on a thread of its own."""
+    tier = RemoteTier(RemotePresence(store.exists_many))
+    undo.callback(tier.close)
+    return tier
 
 
 def _disk_rate(config: TierConfig, slot_bytes: int) -> float:
@@ -244,13 +231,13 @@ def _read_secret(config: TierConfig) -> bytes | None:
     return secret
 
 
-def _host_and_link(config: TierConfig, layout: KVLayout, undo: ExitStack
+def _host_and_link(config: TierConfig, layout: KVLayout, faults: Faults, undo: ExitStack
                    ) -> tuple[HostPool, TransferEngine]:
     """The host pool and the device link over it, both undone by `undo` on a failure."""
     host = HostPool.from_size(config.kv_offloading_size, layout,
                               encoding=config.kv_offload_dtype or "")
     undo.callback(host.release)
-    link = TransferEngine(layout, host, config.blocks_per_chunk,
+    link = TransferEngine(layout, host, config.blocks_per_chunk, faults.link,
                           store_gbps=config.max_store_gbps)
     undo.callback(link.close)
     return host, link

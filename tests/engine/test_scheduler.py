@@ -6,18 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.cache.block_pool import BlockPool
-from kvtier.config import SchedulerConfig
+from kvtier.config import OffloadPolicy, SchedulerConfig
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier
 from kvtier.sequence import SamplingParams, Sequence
-from kvtier.tier import TierConfig
 
 NS = b"\x00" * 16
 
 
 def make(num_blocks: int, block_size: int = 4, **cfg: int) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), block_size,
-                     NullTier(TierConfig()))
+                     NullTier(OffloadPolicy()))
 
 
 def seq(rid: str, n: int, max_tokens: int = 4, first: int = 0) -> Sequence:

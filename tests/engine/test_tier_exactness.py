@@ -7,13 +7,11 @@ from __future__ import annotations
 import random
 import time
 
+from conftest import exact_engine, output_key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import EngineConfig
-from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
-from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
 
 ACTIONS = st.lists(
@@ -22,25 +20,16 @@ ACTIONS = st.lists(
 )
 
 
-def tier_engine(tiny: LoadedModel, **knobs: object) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_knobs(model="tiny", batch_invariant=True, **knobs),
-                     loaded=tiny)
-
-
-def key(o: RequestOutput) -> tuple:
-    return tuple(o.token_ids), tuple(tuple(sorted(d.items())) for d in o.logprobs or [])
-
-
 @settings(max_examples=12, deadline=None)
 @given(actions=ACTIONS, blocks=st.integers(8, 16), mode=st.sampled_from(["auto", "swap"]),
        load_mode=st.sampled_from(["async", "layerwise"]))
 def test_any_interleaving_matches_an_unlimited_pool(
     tiny: LoadedModel, actions: list[tuple[str, int]], blocks: int, mode: str, load_mode: str,
 ) -> None:
-    e = tier_engine(tiny, num_device_blocks=blocks, kv_offloading_size=0.02,
-                    preemption_mode=mode, load_mode=load_mode, idle_offload_s=0.005,
-                    max_num_batched_tokens=48)
-    ref = tier_engine(tiny, num_device_blocks=1024)
+    e = exact_engine(tiny, num_device_blocks=blocks, kv_offloading_size=0.02,
+                     preemption_mode=mode, load_mode=load_mode, idle_offload_s=0.005,
+                     max_num_batched_tokens=48)
+    ref = exact_engine(tiny, num_device_blocks=1024)
     sessions: list[list[int]] = []
     try:
         for action, seed in actions:
@@ -66,7 +55,7 @@ def test_any_interleaving_matches_an_unlimited_pool(
             for i, rid in zip(batch, rids):
                 r = ref.add_request(sessions[i], params)
                 want = ref.run_to_completion([r])[r]
-                assert key(got[rid]) == key(want)
+                assert output_key(got[rid]) == output_key(want)
                 sessions[i] = sessions[i] + got[rid].token_ids + [rng.randrange(1, 380)
                                                                     for _ in range(5)]
         for _ in range(3):
@@ -83,8 +72,8 @@ def test_any_interleaving_matches_an_unlimited_pool(
 def test_many_wakes_while_others_decode(tiny: LoadedModel) -> None:
     # 12 sessions: 4 long decodes run while the other 8 wake from host with a new turn
     rng = random.Random(11)
-    e = tier_engine(tiny, num_device_blocks=24, kv_offloading_size=0.02)
-    ref = tier_engine(tiny, num_device_blocks=1024)
+    e = exact_engine(tiny, num_device_blocks=24, kv_offloading_size=0.02)
+    ref = exact_engine(tiny, num_device_blocks=1024)
     short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=2)
     sessions = [[rng.randrange(1, 380) for _ in range(40)] for _ in range(12)]
@@ -99,7 +88,7 @@ def test_many_wakes_while_others_decode(tiny: LoadedModel) -> None:
     woken = 0
     for rid, (i, params) in rids.items():
         r = ref.add_request(sessions[i], params)
-        assert key(got[rid]) == key(ref.run_to_completion([r])[r]), i
+        assert output_key(got[rid]) == output_key(ref.run_to_completion([r])[r]), i
         woken += got[rid].residency == "host"
     assert woken >= 4
     e.close()

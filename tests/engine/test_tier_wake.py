@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+from conftest import exact_engine, loads
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
@@ -14,15 +15,10 @@ from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
-from kvtier.tier.worker.spec import Direction
+from kvtier.tier import Faults
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 HOST = 0.02  # GiB: 2,500 tiny-model blocks
-
-
-def engine(tiny: LoadedModel, **knobs: object) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_knobs(model="tiny", batch_invariant=True, **knobs),
-                     loaded=tiny)
 
 
 def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams = PARAMS
@@ -45,7 +41,7 @@ def multi_turn(tiny: LoadedModel, e: LLMEngine, turns: int, sessions: list[list[
                between: float = 0.0) -> list[RequestOutput]:
     """Each turn: every session sends its history plus a new user message, one at a time;
     each answer is checked against an unlimited-pool reference engine."""
-    ref = engine(tiny, num_device_blocks=512)
+    ref = exact_engine(tiny, num_device_blocks=512)
     rng = random.Random(1)
     outs = []
     for _ in range(turns):
@@ -61,7 +57,7 @@ def multi_turn(tiny: LoadedModel, e: LLMEngine, turns: int, sessions: list[list[
 def test_sessions_evicted_from_the_device_wake_from_host_exactly(tiny: LoadedModel) -> None:
     # 12 device blocks hold ~1 session; 5 sessions of 40+ tokens take turns, so every later
     # turn finds its prefix gone from the device and on the host
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST)
+    e = exact_engine(tiny, num_device_blocks=12, kv_offloading_size=HOST)
     outs = multi_turn(tiny, e, 3, conversations(5))
     woken = [o for o in outs if o.residency == "host"]
     assert len(woken) >= 8 and all(o.num_restored_tokens > 0 for o in woken)
@@ -73,7 +69,7 @@ def test_sessions_evicted_from_the_device_wake_from_host_exactly(tiny: LoadedMod
 
 
 def test_layerwise_wake_is_exact_too(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, load_mode="layerwise")
+    e = exact_engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, load_mode="layerwise")
     outs = multi_turn(tiny, e, 2, conversations(4, seed=2))
     assert sum(o.num_restored_tokens for o in outs) > 0
     e.close()
@@ -86,8 +82,8 @@ def test_swap_preemption_restores_the_whole_cache_including_the_partial_block(
     # preemption_mode=swap every victim's KV goes to host and comes back bit-exact
     prompts = conversations(6, seed=3, length=23)  # 23 tokens: a partial last block
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3)
-    want = run(engine(tiny, num_device_blocks=512), prompts, params)
-    e = engine(tiny, num_device_blocks=10, kv_offloading_size=HOST, preemption_mode="swap")
+    want = run(exact_engine(tiny, num_device_blocks=512), prompts, params)
+    e = exact_engine(tiny, num_device_blocks=10, kv_offloading_size=HOST, preemption_mode="swap")
     got = run(e, prompts, params)
     assert e.scheduler.stats.num_swaps > 0 and e.scheduler.stats.num_recompute_preemptions == 0
     assert all(same(g, w) for g, w in zip(got, want))
@@ -102,8 +98,8 @@ def test_swap_preemption_restores_the_whole_cache_including_the_partial_block(
 def test_recompute_mode_never_swaps(tiny: LoadedModel) -> None:
     prompts = conversations(6, seed=3, length=23)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    e = engine(tiny, num_device_blocks=10, kv_offloading_size=HOST,
-               preemption_mode="recompute")
+    e = exact_engine(tiny, num_device_blocks=10, kv_offloading_size=HOST,
+                     preemption_mode="recompute")
     got = run(e, prompts, params)
     assert e.scheduler.stats.num_swaps == 0 and e.scheduler.stats.num_preemptions > 0
     assert all(len(g.token_ids) == 30 for g in got)
@@ -113,8 +109,7 @@ def test_recompute_mode_never_swaps(tiny: LoadedModel) -> None:
 def test_failed_loads_become_recomputes_and_are_counted(tiny: LoadedModel) -> None:
     # every host->device load fails (injected): answers are still exact, each failure is
     # counted, and no failed load is reported as a restore
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST)
-    e.tier.worker.link.fault = lambda spec, step: spec.direction is Direction.LOAD
+    e = exact_engine(tiny, Faults(link=loads), num_device_blocks=12, kv_offloading_size=HOST)
     outs = multi_turn(tiny, e, 2, conversations(4, seed=4))
     assert e.tier.manager.stats.failed_loads > 0
     assert all(o.num_restored_tokens == 0 and o.restore_bytes == 0 for o in outs)
@@ -123,8 +118,8 @@ def test_failed_loads_become_recomputes_and_are_counted(tiny: LoadedModel) -> No
 
 
 def test_failed_layerwise_loads_discard_the_step_and_recompute(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, load_mode="layerwise")
-    e.tier.worker.link.fault = lambda spec, step: spec.direction is Direction.LOAD and step == 1
+    e = exact_engine(tiny, Faults(link=lambda job, step: loads(job, step) and step == 1),
+                     num_device_blocks=12, kv_offloading_size=HOST, load_mode="layerwise")
     multi_turn(tiny, e, 2, conversations(4, seed=5))
     assert e.tier.manager.stats.failed_loads > 0
     e.close()
@@ -132,7 +127,7 @@ def test_failed_layerwise_loads_discard_the_step_and_recompute(tiny: LoadedModel
 
 def test_idle_sessions_are_demoted_without_pressure(tiny: LoadedModel) -> None:
     # a roomy device pool never evicts; idle_offload_s demotes what sat unused for 20 ms
-    e = engine(tiny, num_device_blocks=256, kv_offloading_size=HOST, idle_offload_s=0.02)
+    e = exact_engine(tiny, num_device_blocks=256, kv_offloading_size=HOST, idle_offload_s=0.02)
     outs = multi_turn(tiny, e, 2, conversations(3, seed=6), between=0.05)
     assert e.tier.demoted_blocks > 0
     assert [o.residency for o in outs[3:]] == ["host"] * 3
@@ -140,14 +135,15 @@ def test_idle_sessions_are_demoted_without_pressure(tiny: LoadedModel) -> None:
 
 
 def test_write_back_stores_only_what_the_device_is_about_to_evict(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, kv_write_policy="write_back")
+    e = exact_engine(tiny, num_device_blocks=12, kv_offloading_size=HOST,
+                     kv_write_policy="write_back")
     outs = multi_turn(tiny, e, 3, conversations(5, seed=7))
     assert sum(o.num_restored_tokens for o in outs) > 0
     e.close()
 
 
 def test_max_load_tokens_caps_each_restore(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, max_load_tokens=16)
+    e = exact_engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, max_load_tokens=16)
     outs = multi_turn(tiny, e, 2, conversations(4, seed=8, length=60))
     assert any(o.num_restored_tokens for o in outs)
     assert all(o.num_restored_tokens <= 16 for o in outs)
@@ -155,7 +151,7 @@ def test_max_load_tokens_caps_each_restore(tiny: LoadedModel) -> None:
 
 
 def test_abort_while_loading_releases_blocks_after_the_copy(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=12, kv_offloading_size=HOST)
+    e = exact_engine(tiny, num_device_blocks=12, kv_offloading_size=HOST)
     first = conversations(6, seed=9)
     for prompt in first:  # 6 x 3 blocks of prefix through a 12-block pool: the first is evicted
         run(e, [prompt])
@@ -173,8 +169,9 @@ def test_abort_while_loading_releases_blocks_after_the_copy(tiny: LoadedModel) -
 
 def test_offloading_needs_prefix_caching_and_a_sane_size(tiny: LoadedModel) -> None:
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
-        engine(tiny, num_device_blocks=8, kv_offloading_size=HOST, enable_prefix_caching=False)
+        exact_engine(tiny, num_device_blocks=8, kv_offloading_size=HOST,
+                     enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="available host RAM"):
-        engine(tiny, num_device_blocks=8, kv_offloading_size=100_000)
+        exact_engine(tiny, num_device_blocks=8, kv_offloading_size=100_000)
     with pytest.raises(ConfigError, match="preemption_mode='sometimes'"):
         EngineConfig.from_knobs(preemption_mode="sometimes")

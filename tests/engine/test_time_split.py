@@ -8,21 +8,26 @@ import random
 import time
 from pathlib import Path
 
+from conftest import Armed, loads
+
 from kvtier.config import EngineConfig
+from kvtier.engine.faults import EngineFaults
 from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog
-from kvtier.tier.worker.spec import Direction, TransferSpec
+from kvtier.tier import Faults, Job, Medium
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 HOST = 0.02  # GiB
 SLOW_LINK_S_PER_BLOCK = 0.002  # an emulated slow link: each loaded block costs 2 ms
 
 
-def engine(tiny: LoadedModel, **knobs: object) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_knobs(model="tiny", **knobs), loaded=tiny)
+def engine(tiny: LoadedModel, link: Armed | None = None, **knobs: object) -> LLMEngine:
+    """`link`: the tier's link fault hook, armed by the test when it wants it."""
+    faults = EngineFaults(tier=Faults(link=link)) if link else None
+    return LLMEngine(EngineConfig.from_knobs(model="tiny", **knobs), loaded=tiny, faults=faults)
 
 
 def ask(e: LLMEngine, prompt: list[int], params: SamplingParams = PARAMS) -> RequestOutput:
@@ -43,10 +48,10 @@ def assert_adds_up(out: RequestOutput) -> None:
     assert min(m.queue_s, m.tier_s, m.compute_s) >= 0.0, m
 
 
-def slow_loads(spec: TransferSpec, step: int) -> bool:
+def slow_loads(job: Job, step: int) -> bool:
     """A link fault hook that fails nothing but makes each load cost time per block."""
-    if spec.direction is Direction.LOAD and step == 0:
-        time.sleep(SLOW_LINK_S_PER_BLOCK * len(spec.device_blocks))
+    if job.dst is Medium.DEVICE and step == 0:
+        time.sleep(SLOW_LINK_S_PER_BLOCK * len(job.device_blocks))
     return False
 
 
@@ -69,9 +74,10 @@ def test_the_parts_add_up_for_every_residency_class(tiny: LoadedModel, tmp_path:
     evict(e, 2)
     outs.append(ask(e, [*a, 7, 8, 9]))  # host
     e.close()
-    e = engine(tiny, **knobs)  # a restart: the prefix comes back up from disk
+    failing = Armed(loads)
+    e = engine(tiny, failing, **knobs)  # a restart: the prefix comes back up from disk
     outs.append(ask(e, [*a, 7, 8, 9, 10]))
-    e.tier.worker.link.fault = lambda spec, step: spec.direction is Direction.LOAD
+    failing.armed = True
     evict(e, 3)
     outs.append(ask(e, [*a, 7, 8, 9, 10, 11]))  # its load fails: recomputed
     e.close()
@@ -91,11 +97,12 @@ def test_the_parts_add_up_for_every_residency_class(tiny: LoadedModel, tmp_path:
 
 
 def test_layerwise_wakes_add_up_too(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=16, kv_offloading_size=HOST, load_mode="layerwise")
+    slow = Armed(slow_loads)
+    e = engine(tiny, slow, num_device_blocks=16, kv_offloading_size=HOST, load_mode="layerwise")
     a = tokens(100, 4)
     ask(e, a)
     evict(e, 5)
-    e.tier.worker.link.fault = slow_loads
+    slow.armed = True
     out = ask(e, [*a, 3])
     e.close()
     assert out.residency == "host"
@@ -119,12 +126,13 @@ def test_a_request_held_back_by_a_full_pool_is_charged_queue_time(tiny: LoadedMo
 
 
 def test_a_host_wakes_tier_part_grows_with_its_bytes(tiny: LoadedModel) -> None:
-    e = engine(tiny, num_device_blocks=40, kv_offloading_size=HOST)
+    slow = Armed(slow_loads)
+    e = engine(tiny, slow, num_device_blocks=40, kv_offloading_size=HOST)
     short, long = tokens(40, 20), tokens(400, 21)
     ask(e, short)
     ask(e, long)
     e.demote_cached()  # both prefixes now live on host only
-    e.tier.worker.link.fault = slow_loads
+    slow.armed = True
     woke = [ask(e, [*short, 5]), ask(e, [*long, 5])]
     e.close()
     assert [o.residency for o in woke] == ["host", "host"]

@@ -3,6 +3,7 @@ vLLM's block size 4 here, a host of 8 slots, requests as token lists."""
 
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.tier import Fingerprint, Medium, Result, TierConfig
+from kvtier.tier.below import BelowHost
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
@@ -13,8 +14,9 @@ FP = Fingerprint("w", "arch", "bf16", BS, "")
 
 def side(slots: int = 8) -> SchedulerSide:
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
-    manager = TierManager(TierConfig(kv_offloading_size=1), BS, HostTier(slots), Planner(cal),
-                          1000, None, job_ids())
+    host, ids = HostTier(slots), job_ids()
+    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
+                          BelowHost(host, [], 1000, ids), ids)
     return SchedulerSide(manager, BS, FP.namespace)
 
 

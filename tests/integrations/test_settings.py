@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from kvtier.config import OffloadPolicy
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.settings import (
+    ENGINE_ONLY,
     ConnectorSettings,
     check_vllm_version,
     prior,
@@ -126,3 +128,9 @@ def test_two_connectors_never_share_a_planner_prior() -> None:
     a.tier_gbps["disk"] = 1.0
     a.link_gbps = 99.0
     assert b.tier_gbps == {} and b.link_gbps == 5.0 and prior().tier_gbps == {}
+
+
+def test_every_engine_policy_is_refused_under_vllm_with_its_reason() -> None:
+    """One list: a policy added to kvtier's engine is refused under vLLM until it is honoured."""
+    assert set(ENGINE_ONLY) == {f.name for f in dataclasses.fields(OffloadPolicy)}
+    assert not set(ENGINE_ONLY) & {f.name for f in dataclasses.fields(TierConfig)}

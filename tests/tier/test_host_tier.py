@@ -1,19 +1,12 @@
 """The host tier's two-phase protocol: storing is not a hit, failures roll back, pins hold."""
 
 import pytest
+from conftest import ks
 
 from kvtier.tier.index.base import PrepareStoreResult, Tier
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.policy import POLICIES
 from kvtier.tier.keys import Medium, hash_blocks
-
-
-def k(i: int) -> bytes:
-    return bytes([i]) * 16
-
-
-def ks(*ids: int) -> list[bytes]:
-    return [k(i) for i in ids]
 
 
 def toks(*ids: int) -> list[list[int]]:

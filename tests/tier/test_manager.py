@@ -28,11 +28,10 @@ def manager(slots: int = 2, calibration: Calibration = FAST, below: bool = False
             exists=None, **knobs) -> TierManager:
     ids = job_ids()
     host = HostTier(slots)
-    deep = None
-    if below:
-        presence = RemotePresence(exists) if exists is not None else None
-        deep = BelowHost(host, DiskTier(8), RemoteTier(presence) if presence else None,
-                         NBYTES, ids)
+    tiers = [DiskTier(8)] if below else []
+    if below and exists is not None:
+        tiers.append(RemoteTier(RemotePresence(exists)))
+    deep = BelowHost(host, tiers, NBYTES, ids)
     cal = Calibration(calibration.link_gbps, calibration.transfer_overhead_s,
                       calibration.prefill_tokens_per_s, tier_gbps={"disk": 10.0, "remote": 10.0})
     return TierManager(TierConfig(kv_offloading_size=1, **knobs), BS, host, Planner(cal),
@@ -156,7 +155,7 @@ def test_write_down_to_disk_then_fetch_up_then_load() -> None:
     m.allocated("r", again, [5, 6])
     run(m)
     m.finished("r")
-    assert m.host.stats.pinned == 0 and m.below.disk.stats.pinned == 0
+    assert m.host.stats.pinned == 0 and m.below.tier(Medium.DISK).stats.pinned == 0
 
 
 def test_a_corrupt_block_ends_the_fetched_prefix_and_is_dropped() -> None:
@@ -170,7 +169,7 @@ def test_a_corrupt_block_ends_the_fetched_prefix_and_is_dropped() -> None:
     [fetched] = run(m, fail_at=1)  # block 1 fails its checksum
     assert fetched.fetched == 1 and fetched.missed == 1
     assert m.below.stats.misses == {"disk:checksum": 1}
-    assert m.below.disk.lookup([KEYS[1]]) == 0  # never a hit again
+    assert m.below.tier(Medium.DISK).lookup([KEYS[1]]) == 0  # never a hit again
     again = m.match("r", KEYS[:2], CHUNKS[:2])
     assert again.load_keys == (KEYS[0],) and again.declined_tokens == BS
 
@@ -190,7 +189,7 @@ def test_remote_presence_is_asked_off_the_thread_and_the_request_asks_again() ->
     m.below.wait_presence(timeout=5)
     match = m.match("r", KEYS[:2], CHUNKS[:2])
     assert match is not None and match.fetch_media == (Medium.REMOTE,) * 2
-    m.below.remote.presence.close()
+    m.close()
 
 
 def test_an_unreachable_store_answers_absent() -> None:
@@ -201,8 +200,8 @@ def test_an_unreachable_store_answers_absent() -> None:
     assert m.match("r", KEYS[:1], CHUNKS[:1]) is None
     m.below.wait_presence(timeout=5)
     assert m.match("r", KEYS[:1], CHUNKS[:1]).fetch_keys == ()
-    assert m.below.remote.presence.errors == 1
-    m.below.remote.presence.close()
+    assert m.report().below.lookups_answered_absent == 1
+    m.close()
 
 
 def test_jobs_share_one_id_space() -> None:

@@ -1,18 +1,11 @@
 """Eviction policies: LRU and ARC order, ARC's scan resistance and adaptation, the registry."""
 
 import pytest
+from conftest import k, ks
 
 from kvtier.errors import ConfigError
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.policy import POLICIES, ARCPolicy, LRUPolicy, make_policy
-
-
-def k(i: int) -> bytes:
-    return bytes([i]) * 16
-
-
-def ks(*ids: int) -> list[bytes]:
-    return [k(i) for i in ids]
 
 
 def never(key: bytes) -> bool:

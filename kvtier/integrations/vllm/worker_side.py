@@ -22,7 +22,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier import Job, KVLayout, Medium, Result, TierConfig, TierWorker, build_worker_side
+from kvtier.tier import (
+    NO_FAULTS,
+    Faults,
+    Job,
+    KVLayout,
+    Medium,
+    Result,
+    TierConfig,
+    TierWorker,
+    build_worker_side,
+)
 
 
 @dataclass(frozen=True)
@@ -80,19 +90,20 @@ class WorkerSide:
     """A TierWorker over vLLM's KV caches, run one step at a time."""
 
     def __init__(self, config: TierConfig, expected: ExpectedLayout, namespace: bytes,
-                 block_size: int, fail_loads: bool = False) -> None:
+                 block_size: int, faults: Faults = NO_FAULTS) -> None:
         self.config = config
         self.expected = expected
         self.namespace = namespace  # the fingerprint every block below host carries
         self.block_size = block_size
-        self.fail_loads = fail_loads  # tests: every load is reported failed, nothing copied
+        self.faults = faults  # what a test makes fail (KVTIER_FAULT_LOADS=1: every load)
         self.worker: TierWorker | None = None
         self._results: list[Result] = []
         self._load_errors: set[int] = set()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         layout = self.expected.check(kv_caches)
-        worker = build_worker_side(self.config, layout, self.namespace, self.block_size)
+        worker = build_worker_side(self.config, layout, self.namespace, self.block_size,
+                                   self.faults)
         if worker.host_slots != self.expected.host_slots:
             worker.close()
             raise ConfigError(f"the host pool holds {worker.host_slots} slots but the "
@@ -119,11 +130,9 @@ class WorkerSide:
     def _run(self, jobs: Sequence[Job]) -> None:
         if not jobs:
             return
-        refusal = ("no KV caches registered" if self.worker is None
-                   else "injected" if self.fail_loads and jobs[0].dst is Medium.DEVICE else None)
-        if refusal is not None:  # every job fails, nothing is served
-            self._results += [Result.whole(j.id, j.num_blocks, False, 0, 0.0, refusal)
-                              for j in jobs]
+        if self.worker is None:  # never registered: every job fails, nothing is served
+            self._results += [Result.whole(j.id, j.num_blocks, False, 0, 0.0,
+                                           "no KV caches registered") for j in jobs]
             self._load_errors.update(b for j in jobs if j.dst is Medium.DEVICE
                                      for b in j.device_blocks)
             return

@@ -12,11 +12,15 @@ Primitives, in the order a caller uses them:
 Between prepare_* and complete_* a slot is pinned: never evicted, never handed out again.
 Keys are opaque bytes of any length: content hashes, or per-request keys for a preempted
 sequence's partial last block (b"swap:" + request id + index).
+
+`SecondaryIndex` is the same contract seen from the tiers below host (a disk file's slots, a
+shared store's presence): `BelowHost` walks a list of them in order, and a new store is one
+more implementation (its bytes side is `worker/stores.py`'s `SecondaryStore`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,3 +82,62 @@ class Tier(Protocol):
     def touch(self, keys: Sequence[BlockKey]) -> None: ...
 
     def remove(self, keys: Sequence[BlockKey]) -> int: ...
+
+
+class SecondaryIndex(Protocol):
+    """The bookkeeping of one tier below host memory, as `BelowHost` walks them in order.
+
+    A slotless store (a shared key-value store) answers -1 for every slot; a store that
+    asks someone else for presence answers None from `lookup` until the answer is in."""
+
+    @property
+    def medium(self) -> Medium: ...
+
+    @property
+    def stats(self) -> IndexStats: ...
+
+    @property
+    def local(self) -> bool:
+        """Whether a hit is known here without asking anyone (a local disk index): such a
+        tier is what `write_down_host` fills before a restart."""
+        ...
+
+    @property
+    def pending(self) -> bool:
+        """A presence question asked and not yet answered."""
+        ...
+
+    @property
+    def answered_absent(self) -> int:
+        """Presence questions answered "absent" because the store failed."""
+        ...
+
+    @property
+    def unusable_at_start(self) -> Mapping[str, int]:
+        """Blocks found at start that this process will not serve, by reason."""
+        ...
+
+    def lookup(self, keys: Sequence[BlockKey],
+               token_chunks: Sequence[Sequence[int]] | None = None) -> int | None: ...
+
+    def wait(self, timeout: float) -> None:
+        """Block until the questions asked are answered (or `timeout`)."""
+        ...
+
+    def close(self) -> None:
+        """Stop whatever the index runs of its own (a presence thread)."""
+        ...
+
+    def prepare_store(self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]]
+                      ) -> PrepareStoreResult | None: ...
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None: ...
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]: ...
+
+    def complete_fetch(self, keys: Sequence[BlockKey], served: int,
+                       dropped: Sequence[BlockKey], success: bool) -> None:
+        """A fetch of `keys` from this tier ended: `served` of them reached a request,
+        `dropped` failed verification or I/O (never a hit again), `success`: the whole
+        fetch (every tier's blocks) verified."""
+        ...

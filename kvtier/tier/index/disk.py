@@ -26,6 +26,21 @@ class DiskTier(SlotTier):
         super().__init__(num_slots, policy)
         self.unusable_at_start: Counter[str] = Counter(unusable_at_start or {})
 
+    local = True  # its index is the truth: no one else writes the file
+    pending = False
+    answered_absent = 0
+
+    def wait(self, timeout: float) -> None:
+        """Nothing to wait for: every answer is local."""
+
+    def close(self) -> None:
+        """Nothing runs here: the file is the worker's to close."""
+
+    def complete_fetch(self, keys: Sequence[BlockKey], served: int,
+                       dropped: Sequence[BlockKey], success: bool) -> None:
+        self.complete_load(keys, success)
+        self.remove(dropped)  # failed verification or I/O: never a hit again
+
     def adopt(self, found: Iterable[tuple[int, BlockKey, Sequence[int]]]) -> list[int]:
         """Register the complete blocks found on disk at start, oldest first for the policy.
 

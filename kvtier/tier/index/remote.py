@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
-from kvtier.tier.index.base import IndexStats
+from kvtier.tier.index.base import IndexStats, PrepareStoreResult
 from kvtier.tier.keys import BlockKey, Medium
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class RemoteTier:
     """Counters and in-flight writes of the shared store; presence comes from `presence`."""
 
     medium = Medium.REMOTE
+    local = False  # presence is the store's to say
+    unusable_at_start: Mapping[str, int] = MappingProxyType({})  # nothing scanned at start
 
     def __init__(self, presence: RemotePresence) -> None:
         self.presence = presence
@@ -108,7 +111,19 @@ class RemoteTier:
     def pending(self) -> bool:
         return self.presence.pending
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int | None:
+    @property
+    def answered_absent(self) -> int:
+        return self.presence.errors
+
+    def wait(self, timeout: float) -> None:
+        self.presence.wait(timeout)
+
+    def close(self) -> None:
+        """Stop asking: the presence thread ends (a question in flight is dropped)."""
+        self.presence.close()
+
+    def lookup(self, keys: Sequence[BlockKey],
+               token_chunks: Sequence[Sequence[int]] | None = None) -> int | None:
         """How many leading keys the store says it holds (tokens are checked on fetch);
         None until the store has answered."""
         if not keys:
@@ -125,11 +140,17 @@ class RemoteTier:
         self._counts.hits += hits
         return hits
 
-    def prepare_store(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        """The keys not already being written by this process, marked in flight."""
+    def prepare_store(self, keys: Sequence[BlockKey],
+                      token_chunks: Sequence[Sequence[int]] | None = None
+                      ) -> PrepareStoreResult:
+        """The keys not already being written by this process, marked in flight (the store
+        has no slots, and evicts by itself)."""
         new = [k for k in dict.fromkeys(keys) if k not in self._writing]
         self._writing.update(new)
-        return new
+        return PrepareStoreResult(new, [-1] * len(new), [])
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        return [-1] * len(keys)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
         for key in keys:
@@ -139,6 +160,8 @@ class RemoteTier:
         else:
             self._counts.store_failures += len(keys)
 
-    def complete_load(self, loaded: int, failed: int) -> None:
-        self._counts.loads += loaded
-        self._counts.load_failures += failed
+    def complete_fetch(self, keys: Sequence[BlockKey], served: int,
+                       dropped: Sequence[BlockKey], success: bool) -> None:
+        """Counted only: the fetch path already deleted what failed verification."""
+        self._counts.loads += served
+        self._counts.load_failures += len(dropped)

@@ -1,14 +1,14 @@
 """The only code in kvtier that moves KV bytes: `TierWorker` and what it is made of.
 
 `worker.py` routes each job by medium: device <-> host to the link (`link.py`,
-`TransferEngine`: one copy thread on CPU, side streams and events on CUDA), host <-> disk /
-Redis to the I/O thread (`io.py`, over `disk_store.py` and `redis_store.py`, blocks framed
-by `block_format.py`, 8-bit encodings by `codec.py`); `probes.py` measures the link and the
-tiers at start. The link's own primitives:
+`TransferEngine`: one copy thread on CPU, side streams and events on CUDA), host <-> the
+tiers below to the I/O thread (`io.py`, over `stores.py`'s `SecondaryStore`s: `disk_store.py`
+and `redis_store.py`, blocks framed by `block_format.py`, 8-bit encodings by `codec.py`);
+`probes.py` measures the link and the tiers at start. Every job is the tier's own `Job`, every
+outcome its `Result`. The link's primitives:
   HostPool.from_size(gib, layout)  the host tier's memory, allocated once (pinned on CUDA)
-  TransferSpec(direction, device_blocks, host_slots, layerwise)   what one job copies
-  TransferEngine.submit(spec)      queue a job -> job id (loads always go before stores)
-  TransferEngine.poll()            TransferResults finished since the last poll (never blocks)
+  TransferEngine.submit(job)       queue a DEVICE <-> HOST job (loads always go before stores)
+  TransferEngine.poll()            Results finished since the last poll (never blocks)
   TransferEngine.wait(job_id)      block until one job is complete
   TransferEngine.wait_layer(job_id, layer)   a layerwise load's layer has arrived (or False)
   TransferEngine.stats()           bytes, busy seconds, jobs, failures, link utilisation
@@ -18,23 +18,13 @@ discard; it is a miss, never a load.
 """
 
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.spec import (
-    Direction,
-    DirectionStats,
-    InjectedFault,
-    TransferResult,
-    TransferSpec,
-    TransferStats,
-)
+from kvtier.tier.worker.link import InjectedFault, TransferEngine
+from kvtier.tier.worker.link_stats import DirectionStats, TransferStats
 
 __all__ = [
-    "Direction",
     "DirectionStats",
     "HostPool",
     "InjectedFault",
     "TransferEngine",
-    "TransferResult",
-    "TransferSpec",
     "TransferStats",
 ]

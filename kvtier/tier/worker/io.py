@@ -1,4 +1,5 @@
-"""Bytes between host-pool rows and the tiers below host memory (a disk file, Redis).
+"""Bytes between host-pool rows and the tiers below host memory (`stores.SecondaryStore`s:
+a disk file, Redis).
 
 Primitives:
   submit(job)                  a write (host rows -> tier) or a fetch (tier -> host rows)
@@ -32,11 +33,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
+from kvtier.tier.faults import BelowFault, no_below_fault
 from kvtier.tier.jobs import Job, Reason, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.worker.block_format import (
@@ -44,46 +45,27 @@ from kvtier.tier.worker.block_format import (
     CorruptBlock,
     check,
     copy_into,
-    pack,
     payload_checksum,
     tensor_bytes,
-    unpack,
 )
-from kvtier.tier.worker.disk_store import DiskStore
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.unavailable import RemoteUnavailable
-
-if TYPE_CHECKING:
-    from kvtier.tier.worker.block_mac import BlockMac
-    from kvtier.tier.worker.redis_store import RedisStore
+from kvtier.tier.worker.stores import BlockReads, SecondaryStore, StoreMiss
 
 log = logging.getLogger(__name__)
 
-DISK, REMOTE = Medium.DISK, Medium.REMOTE
-# Redis round trips carry at most this many bytes: one huge MGET is slower to parse (measured
-# 0.66 vs 1.0 GB/s for 64 vs 16 blocks of 737 KB) and a single stall past the socket timeout
-# would cost the whole prefix instead of its tail.
-REMOTE_BATCH_BYTES = 16 << 20
-
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
-# A fault hook for tests: (job, key index) -> a reason to fail that key, or None. A fetch
-# fails with that `Reason`; a write raises it as an OSError's text.
-TierFault = Callable[[Job, int], Reason | str | None]
-
-
 class TierIO:
-    """Runs tier jobs on one thread against a `DiskStore` and/or a `RedisStore`; `mac`
-    signs every block written to the remote tier and is required of every one fetched."""
+    """Runs tier jobs on one thread against its stores (none: no thread, and no job may
+    come); `fault` fails chosen blocks (tests): a fetch with that `Reason`, a write as an
+    OSError of that text."""
 
-    def __init__(self, host: HostPool, namespace: bytes, disk: DiskStore | None = None,
-                 remote: RedisStore | None = None, disk_max_gbps: float | None = None,
-                 mac: BlockMac | None = None) -> None:
+    def __init__(self, host: HostPool, namespace: bytes, stores: Sequence[SecondaryStore] = (),
+                 fault: BelowFault = no_below_fault) -> None:
         self.host, self.namespace = host, namespace
-        self.disk, self.remote, self.mac = disk, remote, mac
+        self.stores = {s.medium: s for s in stores}
         self.encoding = host.encoding  # a row's bytes go down as they are: encoded or not
-        self.disk_max_gbps = disk_max_gbps
-        self.fault: TierFault | None = None
+        self.fault = fault
         self._logged: set[tuple[Medium, Reason]] = set()  # touched by the I/O thread only
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
@@ -92,13 +74,15 @@ class TierIO:
         self._submitted = 0
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-io", daemon=True)
-        self._thread.start()
+        if self.stores:
+            self._thread.start()
 
     def submit(self, job: Job) -> None:
         """Queue `job` (its id is the caller's); fetches go ahead of background writes."""
         with self._cond:
             if self._closing:
                 raise RuntimeError("tier I/O is closed")
+            assert job.src in self.stores or job.dst in self.stores, f"no store for job {job.id}"
             self._order[job.id] = self._submitted
             self._submitted += 1
             if job.dst is Medium.HOST:  # a fetch: a request waits on it
@@ -130,7 +114,8 @@ class TierIO:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        if self.stores:
+            self._thread.join(timeout=30)
         with self._cond:  # whatever never ran fails: its keys become misses
             while self._queue:
                 job = self._queue.popleft()
@@ -174,6 +159,12 @@ class TierIO:
         """A failed medium: full (ENOSPC, EDQUOT) or any other I/O error."""
         return self._note(tier, Reason.NO_SPACE if e.errno in _NO_SPACE else Reason.IO, str(e))
 
+    def _failure(self, tier: Medium, e: OSError | StoreMiss) -> Reason:
+        """The reason a store's error gives (an absent block is expected: not logged here)."""
+        if isinstance(e, OSError):
+            return self._os_error(tier, e)
+        return e.reason if e.reason is Reason.MISSING else self._note(tier, e.reason, str(e))
+
     # -- writes -------------------------------------------------------------------------
 
     def _header(self, key: bytes, tokens: Sequence[int], payload: memoryview) -> BlockHeader:
@@ -181,143 +172,70 @@ class TierIO:
                            payload_checksum(payload), self.encoding)
 
     def _write(self, job: Job) -> tuple[list[bool], list[Reason], int]:
-        n = len(job.keys)
-        ok, reasons = [False] * n, [Reason.IO] * n
+        store = self.stores[job.dst]
         rows = [tensor_bytes(self.host.tensor[s]) for s in job.host_slots]
-        if job.dst is REMOTE:
-            assert self.remote is not None
-            items = [(k, pack(self._header(k, t, row), row, self.mac))
-                     for k, t, row in zip(job.keys, job.tokens, rows)]
-            nbytes = 0
-            for lo, hi in _batches([len(row) for row in rows]):
-                try:
-                    self.remote.put_many(items[lo:hi])
-                except RemoteUnavailable as e:
-                    reasons[lo:] = [self._note(REMOTE, Reason.UNAVAILABLE, str(e))] * (n - lo)
-                    break
-                ok[lo:hi], reasons[lo:hi] = [True] * (hi - lo), [Reason.OK] * (hi - lo)
-                nbytes += sum(len(row) for row in rows[lo:hi])
-            return ok, reasons, nbytes
-        assert self.disk is not None
-        nbytes = 0
-        for i, (key, tokens, row, slot) in enumerate(
-                zip(job.keys, job.tokens, rows, job.disk_slots)):
-            fault = self.fault(job, i) if self.fault is not None else None
-            try:
-                if fault is not None:
-                    raise OSError(str(fault))
-                began = time.perf_counter()
-                self.disk.write(slot, self._header(key, tokens, row), row)
-                self._pace(len(row), began)
-            except OSError as e:
-                reasons[i] = self._os_error(DISK, e)
-                continue
-            ok[i], reasons[i] = True, Reason.OK
-            nbytes += len(row)
-        return ok, reasons, nbytes
+        reasons = [Reason.OK] * len(rows)
+        todo: list[int] = []
+        for i in range(len(rows)):
+            fault = self.fault(job, i)
+            if fault is None:
+                todo.append(i)
+            else:
+                reasons[i] = self._os_error(job.dst, OSError(str(fault)))
+        errors = store.write([job.below_slots[i] for i in todo],
+                             [self._header(job.keys[i], job.tokens[i], rows[i]) for i in todo],
+                             [rows[i] for i in todo])
+        for i, error in zip(todo, errors):
+            if error:
+                reasons[i] = self._failure(job.dst, error)
+        ok = [r is Reason.OK for r in reasons]
+        return ok, reasons, sum(len(row) for row, good in zip(rows, ok) if good)
 
     # -- fetches ------------------------------------------------------------------------
 
     def _fetch(self, job: Job) -> tuple[list[bool], list[Reason], int]:
         n = len(job.keys)
         ok, reasons = [False] * n, [Reason.SKIPPED] * n
-        blobs = self._remote_blobs(job)
+        reads = {m: self.stores[m].reads([k for k, t in zip(job.keys, job.media) if t is m])
+                 for m in dict.fromkeys(job.media)}
         nbytes = 0
         failed = False  # after a failure no block counts (a prefix cannot skip a block)
         for i, (key, tokens, slot, tier) in enumerate(
                 zip(job.keys, job.tokens, job.host_slots, job.media)):
-            if failed and tier != DISK and blobs.get(key) is None:
+            if failed and not reads[tier].ready(key):
                 continue  # not fetched (or absent): nothing of it to verify, SKIPPED
-            row = self.host.tensor[slot]
-            fault = self.fault(job, i) if self.fault is not None else None
-            reason = Reason(fault) if fault is not None else None
-            if reason is None:
-                reason = (self._read_disk(key, tokens, job.disk_slots[i], row) if tier == DISK
-                          else self._read_remote(key, tokens, blobs, row))
-            if reason is not None:
-                reasons[i], failed = reason, True  # a bad disk block after it: its own reason
+            fault = self.fault(job, i)
+            reason = (Reason(fault) if fault is not None else
+                      self._read(self.stores[tier], reads[tier], key, tokens,
+                                 job.below_slots[i], self.host.tensor[slot]))
+            if reason is not Reason.OK:
+                reasons[i], failed = reason, True  # a bad block after it: its own reason
             elif not failed:
                 ok[i], reasons[i] = True, Reason.OK
                 nbytes += self.host.slot_bytes  # as stored: a host row, 8-bit where it is
         return ok, reasons, nbytes
 
-    def _read_disk(self, key: bytes, tokens: Sequence[int], slot: int, row: torch.Tensor
-                   ) -> Reason | None:
-        assert self.disk is not None
+    def _read(self, store: SecondaryStore, reads: BlockReads, key: bytes,
+              tokens: Sequence[int], slot: int, row: torch.Tensor) -> Reason:
+        """Read and verify one block into `row`: OK, or why not (a bad block is discarded
+        where it lives, so it is never read again; a failed medium keeps it)."""
         out = tensor_bytes(row)
         try:
-            began = time.perf_counter()
-            header = self.disk.read(slot, out)
-            self._pace(len(out), began)
+            header, payload = reads.read(key, slot, out)
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
-                           payload=out)
+                           payload=payload, mac=store.mac) or Reason.OK
+            if reason is Reason.OK:
+                if payload is not out:
+                    copy_into(row, payload)
+                return reason
         except CorruptBlock as e:
             reason = e.reason
-        except OSError as e:
-            return self._os_error(DISK, e)  # the medium failed, not the block: keep the slot
-        if reason is not None:
-            # If even this fails, the index drops the slot anyway and a restart re-verifies it.
-            with contextlib.suppress(OSError):
-                self.disk.invalidate(slot)
-        return reason
-
-    def _pace(self, nbytes: int, began: float) -> None:
-        """Hold disk I/O to `disk_max_gbps` (sleeping releases the disk and the GIL)."""
-        if self.disk_max_gbps:
-            left = nbytes / (self.disk_max_gbps * 1e9) - (time.perf_counter() - began)
-            if left > 0:
-                time.sleep(left)
-
-    def _remote_blobs(self, job: Job) -> dict[bytes, bytes | None]:
-        keys = [k for k, t in zip(job.keys, job.media) if t == REMOTE]
-        if not keys:
-            return {}
-        assert self.remote is not None
-        size = self.host.slot_bytes
-        blobs: dict[bytes, bytes | None] = {}
-        for lo, hi in _batches([size] * len(keys)):
-            try:
-                blobs.update(zip(keys[lo:hi], self.remote.get_many(keys[lo:hi])))
-            except RemoteUnavailable as e:
-                self._note(REMOTE, Reason.UNAVAILABLE, str(e))
-                break  # the leading batches still serve; the rest is UNAVAILABLE
-        return blobs
-
-    def _read_remote(self, key: bytes, tokens: Sequence[int], blobs: dict[bytes, bytes | None],
-                     row: torch.Tensor) -> Reason | None:
-        if key not in blobs:
-            return Reason.UNAVAILABLE  # its batch failed: logged by _remote_blobs
-        blob = blobs[key]
-        if blob is None:
-            return Reason.MISSING  # expired, evicted by Redis, or deleted since the lookup
-        try:
-            header, payload = unpack(blob)
-            reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
-                           payload=payload, mac=self.mac)
-            if reason is None:
-                copy_into(row, payload)
-                return None
-        except CorruptBlock as e:
-            reason = e.reason
+        except (OSError, StoreMiss) as e:
+            return self._failure(store.medium, e)
         except ValueError:
             reason = Reason.SIZE
-        assert self.remote is not None
-        # If Redis is down, the block stays wrong there and is checked (and refused) again.
-        with contextlib.suppress(RemoteUnavailable):
-            self.remote.delete_many([key])
+        # If even this fails, the block stays where it is and is checked (and refused) again:
+        # the disk index drops the slot anyway and a restart re-verifies it.
+        with contextlib.suppress(OSError, ValueError):
+            store.discard(key, slot)
         return reason
-
-
-def _batches(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """[lo, hi) index ranges of consecutive items, each at most REMOTE_BATCH_BYTES (or one
-    item where a single one is larger)."""
-    out: list[tuple[int, int]] = []
-    lo, total = 0, 0
-    for i, size in enumerate(sizes):
-        if i > lo and total + size > REMOTE_BATCH_BYTES:
-            out.append((lo, i))
-            lo, total = i, 0
-        total += size
-    if lo < len(sizes):
-        out.append((lo, len(sizes)))
-    return out

@@ -1,9 +1,10 @@
 """Asynchronous KV transfer jobs between the device pool and the host pool.
 
-Primitives:
-  submit(spec) -> job id              queue a store (device -> host) or a load (host -> device)
-  poll() -> [TransferResult]          jobs finished since the last poll; never blocks
-  wait(job_id, timeout) -> result     block the host until the job is complete
+Jobs and results are the tier's own (`jobs.Job`, `jobs.Result`), ids the caller's:
+  submit(job) -> job id               queue a store (DEVICE -> HOST) or a load (HOST -> DEVICE)
+  poll() -> [Result]                  jobs finished since the last poll; never blocks
+  wait(job_id, timeout) -> Result     block the host until the job is complete
+  oldest() -> job id                  the earliest submitted job not yet delivered
   wait_layer(job_id, layer) -> bool   layer `layer` of a load is usable; False: the job failed
   is_done(job_id)                     finished, delivered or not
   stats() / reset_stats()             bytes, busy seconds, jobs, failures, link utilisation
@@ -31,19 +32,19 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.tier.faults import LinkFault, no_link_fault
+from kvtier.tier.jobs import Job, Result
+from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout, as_layout
 from kvtier.tier.worker.copy import layer_index, move_blocks, move_layer
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.link_job import Job, JobState
-from kvtier.tier.worker.spec import (
-    Direction,
-    DirectionCounter,
-    Fault,
-    InjectedFault,
-    TransferResult,
-    TransferSpec,
-    TransferStats,
-)
+from kvtier.tier.worker.link_job import LOAD, STORE, Copy, JobState
+from kvtier.tier.worker.link_stats import DirectionCounter, TransferStats
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the worker when the `fault` hook asks a step to fail."""
+
 
 CUDA_POLL_S = 1e-4  # how often a host wait re-queries a CUDA event
 CLOSE_JOIN_S = 5.0  # close() gives the worker this long to finish its current step
@@ -60,7 +61,7 @@ class TransferEngine:
         device: KVLayout | torch.Tensor,
         host: HostPool,
         blocks_per_chunk: int = 16,
-        fault: Fault | None = None,
+        fault: LinkFault = no_link_fault,
         store_gbps: float | None = None,
     ) -> None:
         layout = as_layout(device)
@@ -86,57 +87,82 @@ class TransferEngine:
         self.fault = fault
         self.store_gbps = store_gbps  # CPU: cap on store bandwidth, so stores yield to compute
         self._cuda = layout.is_cuda
-        self._streams: dict[Direction, Any] = {}
+        self._streams: dict[Medium, Any] = {}
         if self._cuda:
-            self._streams = {d: torch.cuda.Stream(device=layout.device) for d in Direction}
+            self._streams = {d: torch.cuda.Stream(device=layout.device) for d in (LOAD, STORE)}
         self._cond = threading.Condition()
-        self._queues: dict[Direction, deque[Job]] = {d: deque() for d in Direction}
-        self._jobs: dict[int, Job] = {}  # submitted and not yet delivered
-        self._inflight: list[Job] = []
-        self._finished: deque[Job] = deque()  # in order of completion
+        self._queues: dict[Medium, deque[Copy]] = {d: deque() for d in (LOAD, STORE)}
+        self._jobs: dict[int, Copy] = {}  # submitted and not yet delivered, in that order
+        self._inflight: list[Copy] = []
+        self._finished: deque[Copy] = deque()  # in order of completion
         self._delivered: OrderedDict[int, bool] = OrderedDict()
-        self._next_id = 0
         self._closing = False
-        self._counters = {d: DirectionCounter() for d in Direction}
+        self._counters = {d: DirectionCounter() for d in (LOAD, STORE)}
         self._since = time.perf_counter()
         self._worker = threading.Thread(target=self._run, name="kvtier-transfer", daemon=True)
         self._worker.start()
 
-    def submit(self, spec: TransferSpec) -> int:
-        """Queue a job; its copies start after the current stream's work queued so far."""
-        num_blocks, num_layers = self.layout.num_blocks, self.layout.num_layers
-        if spec.device_blocks and max(spec.device_blocks) >= num_blocks:
-            raise ValueError(f"device block {max(spec.device_blocks)} >= {num_blocks} blocks")
-        if spec.host_slots and max(spec.host_slots) >= self.host.num_slots:
-            raise ValueError(f"host slot {max(spec.host_slots)} >= {self.host.num_slots} slots")
+    def submit(self, job: Job) -> int:
+        """Queue a job (its id is the caller's); its copies start after the current stream's
+        work queued so far. ValueError for a job the link cannot run."""
+        self._check(job)
         # Stores go in chunks so a load never waits behind a long one; a whole-block load is
         # one step (nothing preempts it, and each step costs a worker hand-off).
-        chunks = 1 if spec.direction is Direction.LOAD else math.ceil(
-            spec.num_blocks / self.blocks_per_chunk)
-        steps = num_layers if spec.layerwise else max(1, chunks)
-        job = Job(id=-1, spec=spec, num_steps=steps)
+        chunks = 1 if job.dst is LOAD else math.ceil(job.num_blocks / self.blocks_per_chunk)
+        steps = self.layout.num_layers if job.layerwise else max(1, chunks)
+        copy = Copy(job, num_steps=steps)
         if self._cuda:
-            job.ready_event = torch.cuda.Event()
-            job.ready_event.record(torch.cuda.current_stream(self.layout.device))
-        elif spec.layerwise:
-            job.index = layer_index(spec.device_blocks, spec.host_slots)
+            copy.ready_event = torch.cuda.Event()
+            copy.ready_event.record(torch.cuda.current_stream(self.layout.device))
+        elif job.layerwise:
+            copy.index = layer_index(job.device_blocks, job.host_slots)
         with self._cond:
             if self._closing:
                 raise RuntimeError("transfer engine is closed; no new jobs")
-            job.id = self._next_id
-            self._next_id += 1
-            self._jobs[job.id] = job
-            self._queues[spec.direction].append(job)
+            if job.id in self._jobs:
+                raise ValueError(f"job {job.id} is already in flight")
+            self._delivered.pop(job.id, None)
+            self._jobs[job.id] = copy
+            self._queues[job.dst].append(copy)
             self._cond.notify_all()
         return job.id
 
-    def poll(self) -> list[TransferResult]:
+    def _check(self, job: Job) -> None:
+        if {job.src, job.dst} != {LOAD, STORE}:
+            raise ValueError(f"job {job.id} goes {job.src} -> {job.dst}; the link copies "
+                             "between device and host only")
+        if len(job.device_blocks) != len(job.host_slots):
+            raise ValueError(
+                f"{len(job.device_blocks)} device blocks but {len(job.host_slots)} host slots; "
+                "block i goes to slot i, so the lengths must match")
+        if job.layerwise and job.dst is not LOAD:
+            raise ValueError("layerwise applies to loads only (a store copies whole blocks)")
+        for name, ids, limit in (("device block", job.device_blocks, self.layout.num_blocks),
+                                 ("host slot", job.host_slots, self.host.num_slots)):
+            if any(i < 0 for i in ids):
+                raise ValueError(f"{name}s have a negative id: {ids}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{name}s repeat an id: {ids}")
+            if ids and max(ids) >= limit:
+                raise ValueError(f"{name} {max(ids)} >= {limit} {name}s")
+
+    def oldest(self) -> int | None:
+        """The earliest submitted job whose result is not yet delivered (None: none is)."""
+        with self._cond:
+            return next(iter(self._jobs), None)
+
+    def pending(self, job_id: int) -> bool:
+        """Submitted, and its result not yet delivered."""
+        with self._cond:
+            return job_id in self._jobs
+
+    def poll(self) -> list[Result]:
         """Results of the jobs finished since the last call, in order of completion."""
         with self._cond:
             self._reap_locked()
             return [self._deliver_locked(self._finished[0]) for _ in range(len(self._finished))]
 
-    def wait(self, job_id: int, timeout: float | None = None) -> TransferResult:
+    def wait(self, job_id: int, timeout: float | None = None) -> Result:
         """Block the host until the job is complete (TimeoutError after `timeout` seconds).
 
         On CUDA this waits for the copy itself, not just its issue: the result hands the host
@@ -181,11 +207,9 @@ class TransferEngine:
     def is_done(self, job_id: int) -> bool:
         """Whether the job has finished (successfully or not), delivered or not."""
         with self._cond:
-            if not 0 <= job_id < self._next_id:
-                raise ValueError(f"unknown transfer job {job_id}")
-            job = self._jobs.get(job_id)
-            if job is None:
+            if job_id in self._delivered:
                 return True
+            job = self._pending_locked(job_id)
             self._reap_locked()
             return job.state is JobState.FINISHED
 
@@ -194,12 +218,12 @@ class TransferEngine:
         with self._cond:
             self._reap_locked()
             elapsed = time.perf_counter() - self._since
-            return TransferStats(elapsed, self._counters[Direction.STORE].freeze(elapsed),
-                                 self._counters[Direction.LOAD].freeze(elapsed))
+            return TransferStats(elapsed, self._counters[STORE].freeze(elapsed),
+                                 self._counters[LOAD].freeze(elapsed))
 
     def reset_stats(self) -> None:
         with self._cond:
-            self._counters = {d: DirectionCounter() for d in Direction}
+            self._counters = {d: DirectionCounter() for d in (LOAD, STORE)}
             self._since = time.perf_counter()
 
     def close(self) -> None:
@@ -246,24 +270,24 @@ class TransferEngine:
             except Exception as e:  # a failed job must never take the worker down with it
                 self._fail(job, f"{type(e).__name__}: {e}")
 
-    def _head_locked(self) -> Job | None:
+    def _head_locked(self) -> Copy | None:
         """The next job to advance: loads first, then stores, each in order of submission."""
-        for direction in (Direction.LOAD, Direction.STORE):
+        for direction in (LOAD, STORE):
             if self._queues[direction]:
                 return self._queues[direction][0]
         return None
 
-    def _step(self, job: Job) -> None:
+    def _step(self, job: Copy) -> None:
         """Copy (CPU) or issue (CUDA) the job's next step, then account for it."""
-        idx, spec = job.next_step, job.spec
-        if self.fault is not None and self.fault(spec, idx):
+        idx, spec = job.next_step, job.job
+        if spec.id >= 0 and self.fault(spec, idx):  # the start-up probe's own never fail
             raise InjectedFault(f"injected fault in step {idx} of job {job.id}")
         if self._closing:
             return
         start = time.perf_counter()
         event = None
         if self._cuda:
-            stream = self._streams[spec.direction]
+            stream = self._streams[job.direction]
             with torch.cuda.stream(stream):
                 if job.start_event is None:
                     stream.wait_event(job.ready_event)  # compute queued before submit
@@ -284,35 +308,35 @@ class TransferEngine:
             if event is not None:
                 job.events.append(event)
             else:
-                self._counters[spec.direction].bytes += nbytes
-                self._counters[spec.direction].busy_s += end - start
+                self._counters[job.direction].bytes += nbytes
+                self._counters[job.direction].busy_s += end - start
             if spec.layerwise:
                 job.layers_ready = idx + 1
             if job.next_step == job.num_steps:
-                self._queues[spec.direction].popleft()
+                self._queues[job.direction].popleft()
                 self._retire_locked(job)
             self._cond.notify_all()
-            if self.store_gbps and event is None and spec.direction is Direction.STORE:
+            if self.store_gbps and event is None and job.direction is STORE:
                 # Stores are background work: pause so they average at most store_gbps and
                 # leave memory bandwidth to decode. A submitted load wakes the worker early.
                 self._cond.wait(max(0.0, nbytes / (self.store_gbps * 1e9) - (end - start)))
 
-    def _copy(self, job: Job, idx: int) -> int:
-        spec, host, encoding = job.spec, self.host.tensor, self.host.encoding
+    def _copy(self, job: Copy, idx: int) -> int:
+        spec, host, encoding = job.job, self.host.tensor, self.host.encoding
         if spec.layerwise:
             return move_layer(self.layout, host, idx, spec.device_blocks, spec.host_slots,
                               job.index, encoding)
-        per_step = spec.num_blocks if spec.direction is Direction.LOAD else self.blocks_per_chunk
+        per_step = spec.num_blocks if job.direction is LOAD else self.blocks_per_chunk
         lo, hi = idx * per_step, (idx + 1) * per_step
         return move_blocks(self.layout, host, spec.device_blocks[lo:hi],
-                           spec.host_slots[lo:hi], spec.direction is Direction.STORE, encoding)
+                           spec.host_slots[lo:hi], job.direction is STORE, encoding)
 
-    def _fail(self, job: Job, error: str) -> None:
+    def _fail(self, job: Copy, error: str) -> None:
         event = None
         if self._cuda and job.start_event is not None:
             try:  # covers whatever the failed step issued before raising
                 event = torch.cuda.Event(enable_timing=True)
-                event.record(self._streams[job.spec.direction])
+                event.record(self._streams[job.direction])
             except Exception:
                 event = None
         with self._cond:
@@ -321,13 +345,13 @@ class TransferEngine:
             job.error = error
             if event is not None:
                 job.events.append(event)
-            queue = self._queues[job.spec.direction]
+            queue = self._queues[job.direction]
             if job in queue:
                 queue.remove(job)
             self._retire_locked(job)
             self._cond.notify_all()
 
-    def _retire_locked(self, job: Job) -> None:
+    def _retire_locked(self, job: Copy) -> None:
         """A job with nothing left to issue: finished now (CPU) or when its events are."""
         if job.events:
             job.state = JobState.INFLIGHT
@@ -342,8 +366,8 @@ class TransferEngine:
         for job in done:
             self._finish_locked(job)
 
-    def _finish_locked(self, job: Job) -> None:
-        counter = self._counters[job.spec.direction]
+    def _finish_locked(self, job: Copy) -> None:
+        counter = self._counters[job.direction]
         if job.events:  # CUDA: time the copies on the GPU's own clock
             seconds = job.start_event.elapsed_time(job.events[-1]) / 1e3
             counter.bytes += job.bytes
@@ -352,14 +376,14 @@ class TransferEngine:
             seconds = 0.0 if job.started is None else time.perf_counter() - job.started
         counter.jobs += 1
         counter.failures += job.error is not None
-        job.result = TransferResult(job.id, job.spec, job.error is None, job.bytes, seconds,
-                                    job.error, time.perf_counter())
+        job.result = Result.whole(job.id, job.job.num_blocks, job.error is None, job.bytes,
+                                  seconds, job.error, time.perf_counter())
         job.state = JobState.FINISHED
         job.index = None
         self._finished.append(job)
         self._cond.notify_all()
 
-    def _deliver_locked(self, job: Job) -> TransferResult:
+    def _deliver_locked(self, job: Copy) -> Result:
         self._finished.remove(job)
         del self._jobs[job.id]
         assert job.result is not None
@@ -368,16 +392,15 @@ class TransferEngine:
             self._delivered.popitem(last=False)
         return job.result
 
-    def _pending_locked(self, job_id: int) -> Job:
-        job = self._jobs.get(job_id)
-        if job is None:
-            state = "already delivered" if 0 <= job_id < self._next_id else "unknown"
+    def _pending_locked(self, job_id: int) -> Copy:
+        if job_id not in self._jobs:
+            state = "already delivered" if job_id in self._delivered else "unknown"
             raise ValueError(f"transfer job {job_id} is {state}")
-        return job
+        return self._jobs[job_id]
 
-    def _layer_ready_locked(self, job: Job, layer: int) -> Any:
+    def _layer_ready_locked(self, job: Copy, layer: int) -> Any:
         """None until the layer is in place; then True (CPU) or the CUDA event to wait on."""
-        if job.spec.layerwise:
+        if job.job.layerwise:
             if job.layers_ready <= layer:
                 return None
             return job.events[layer] if self._cuda else True
@@ -385,7 +408,7 @@ class TransferEngine:
             return None  # failed, or not all issued yet
         return job.events[-1] if self._cuda else (True if job.state is JobState.FINISHED else None)
 
-    def _wait_slice_locked(self, job: Job, deadline: float | None) -> float | None:
+    def _wait_slice_locked(self, job: Copy, deadline: float | None) -> float | None:
         """How long the next condition wait may sleep; TimeoutError past the deadline."""
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:

@@ -1,11 +1,10 @@
-"""What the tier measures before it serves, and the disk it reopens.
+"""What the tier measures before it serves.
 
 Primitives:
   measure_link(link, host)          host <-> device GB/s and per-job overhead (a few blocks)
   measure_disk_gbps(dir, bytes)     cold read rate of the disk tier's filesystem
   remote_rate(store, bytes, given)  the starting Redis read rate (bad credentials fail here)
-  open_disk(config, ...)            the slot file, its index rebuilt from what is on it
-  read_disk_index(config, ...)      that index alone, read only (the file is another's)
+Measuring only: reopening the disk tier is `disk_open.py`'s.
 """
 
 from __future__ import annotations
@@ -15,20 +14,14 @@ import logging
 import os
 import shutil
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.errors import ConfigError
-from kvtier.tier.config import GIB, TierConfig
-from kvtier.tier.index.disk import DiskTier
-from kvtier.tier.jobs import Reason
+from kvtier.tier.jobs import Job
+from kvtier.tier.keys import Medium
 from kvtier.tier.planner import Calibration
-from kvtier.tier.worker.block_format import BlockHeader, max_header_nbytes
-from kvtier.tier.worker.disk_store import DiskStore, read_headers, round_up
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.spec import Direction, TransferSpec
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 if TYPE_CHECKING:
@@ -48,10 +41,14 @@ def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: flo
     then two whole loads and a one-block load, timed; stats are reset after."""
     n = min(blocks, link.layout.num_blocks, host.num_slots)
     ids = tuple(range(n))
-    link.wait(link.submit(TransferSpec(Direction.STORE, ids, ids)))
-    for _ in range(2):
-        full = link.wait(link.submit(TransferSpec(Direction.LOAD, ids, ids)))
-    one = link.wait(link.submit(TransferSpec(Direction.LOAD, ids[:1], ids[:1])))
+    # Negative ids: the manager's count from 0, these are delivered before it starts, and a
+    # test's link faults (for serving) pass them by.
+    link.wait(link.submit(Job(-1, Medium.DEVICE, Medium.HOST, ids, device_blocks=ids)))
+    for i in range(2):
+        full = link.wait(link.submit(Job(-2 - i, Medium.HOST, Medium.DEVICE, ids,
+                                         device_blocks=ids)))
+    one = link.wait(link.submit(Job(-4, Medium.HOST, Medium.DEVICE, ids[:1],
+                                    device_blocks=ids[:1])))
     link.poll()
     link.reset_stats()
     block_bytes = link.layout.block_nbytes
@@ -60,70 +57,6 @@ def measure_link(link: TransferEngine, host: HostPool, prefill_tokens_per_s: flo
     overhead = max(one.seconds - block_bytes / (gbps * 1e9), 0.0)
     return Calibration(link_gbps=gbps, transfer_overhead_s=overhead,
                        prefill_tokens_per_s=prefill_tokens_per_s)
-
-
-def open_disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int
-               ) -> tuple[DiskStore, DiskTier]:
-    """The slot file, and its index rebuilt from the blocks a previous process left there."""
-    num_slots, header = disk_geometry(config, host.slot_bytes, block_size)
-    store = DiskStore(str(config.disk_kv_path), num_slots, host.slot_bytes, header)
-    try:
-        unusable: Counter[str] = Counter()
-        found = store.scan(unusable)
-        tier, rejected = _adopt(config, found, unusable, num_slots, namespace,
-                                host.slot_bytes, host.encoding)
-        for slot in rejected:
-            store.invalidate(slot)
-    except BaseException:
-        store.close()
-        raise
-    adopted = len(tier.complete_keys())
-    if adopted:
-        log.info("kvtier: disk tier %s: %d blocks from an earlier process", store.path, adopted)
-    return store, tier
-
-
-def read_disk_index(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
-                    block_size: int) -> DiskTier:
-    """The disk tier's index from its file, read only: for the process that keeps the index
-    while another owns the file (`open_disk` there adopts, and invalidates, the same slots)."""
-    num_slots, header = disk_geometry(config, slot_bytes, block_size)
-    unusable: Counter[str] = Counter()
-    found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header, unusable)
-    return _adopt(config, found, unusable, num_slots, namespace, slot_bytes, encoding)[0]
-
-
-def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple[int, int]:
-    """(slots, header bytes) of the disk tier's file: the same in every process."""
-    header = max_header_nbytes(block_size)
-    probe_slot = round_up(header) + round_up(slot_bytes)
-    num_slots = int(config.disk_kv_size * GIB // probe_slot)
-    if num_slots < 1:
-        raise ConfigError(
-            f"disk_kv_size={config.disk_kv_size} GiB holds no block of {probe_slot:,} bytes; "
-            "raise it")
-    return num_slots, header
-
-
-def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
-           unusable: Counter[str], num_slots: int, namespace: bytes, slot_bytes: int,
-           encoding: str) -> tuple[DiskTier, list[int]]:
-    """An index of the blocks of this namespace and shape; the slots it could not take.
-    Blocks of another fingerprint (the weights changed, say) or shape are counted."""
-    ours = []
-    for slot, h in found:
-        if h.namespace != namespace or h.encoding != encoding:
-            unusable[Reason.FINGERPRINT.value] += 1
-        elif h.payload_nbytes != slot_bytes:
-            unusable[Reason.SIZE.value] += 1
-        else:
-            ours.append((slot, h.key, h.tokens))
-    tier = DiskTier(num_slots, config.eviction_policy, unusable)
-    if unusable:
-        log.warning("kvtier: disk tier %s holds blocks this process will not serve (%s): "
-                    "written under another model, configuration or format, or damaged",
-                    config.disk_kv_path, ", ".join(f"{n} {r}" for r, n in unusable.items()))
-    return tier, tier.adopt(ours)
 
 
 def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATION_BLOCKS

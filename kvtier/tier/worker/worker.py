@@ -24,12 +24,11 @@ from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.spec import Direction, TransferResult, TransferSpec, TransferStats
+from kvtier.tier.worker.link_stats import TransferStats
 
-if TYPE_CHECKING:  # the stores come with the tiers below host; Redis' client only with Redis
-    from kvtier.tier.worker.disk_store import DiskStore
+if TYPE_CHECKING:
     from kvtier.tier.worker.io import TierIO
-    from kvtier.tier.worker.redis_store import RedisStore
+    from kvtier.tier.worker.stores import SecondaryStore
 
 IO_WAIT_S = 1.0  # how long wait_any sleeps on the I/O thread before the caller looks again
 
@@ -47,12 +46,8 @@ class WorkerReport:
 class TierWorker:
     """Owns the host pool, the device link and the I/O to the tiers below host."""
 
-    def __init__(self, host: HostPool, link: TransferEngine, io: TierIO | None = None,
-                 disk: DiskStore | None = None, remote: RedisStore | None = None) -> None:
-        self.host, self.link, self.io = host, link, io
-        self.disk, self.remote = disk, remote
-        self._link_id: dict[int, int] = {}  # job id -> link job id
-        self._job_id: dict[int, int] = {}  # link job id -> job id
+    def __init__(self, host: HostPool, link: TransferEngine, io: TierIO) -> None:
+        self.host, self.link, self.io = host, link, io  # io: its stores, maybe none
 
     @property
     def layout(self) -> KVLayout:
@@ -62,81 +57,60 @@ class TierWorker:
     def host_slots(self) -> int:
         return self.host.num_slots
 
+    def store(self, medium: Medium) -> SecondaryStore:
+        """The bytes side of the tier below host of this medium (KeyError: none)."""
+        return self.io.stores[medium]
+
     def submit(self, job: Job) -> None:
         if job.below_host:
-            assert self.io is not None, f"job {job.id} goes below host, and no tier is there"
             self.io.submit(job)
             return
-        direction = Direction.STORE if job.dst is Medium.HOST else Direction.LOAD
-        link_id = self.link.submit(TransferSpec(direction, job.device_blocks, job.host_slots,
-                                                job.layerwise))
-        self._link_id[job.id] = link_id
-        self._job_id[link_id] = job.id
+        self.link.submit(job)
 
     def poll(self) -> list[Result]:
-        results = [self._result(r) for r in self.link.poll()]
-        if self.io is not None:
-            results += self.io.poll()
-        return results
+        return self.link.poll() + self.io.poll()
 
     def wait(self, job_id: int) -> Result:
-        return self._result(self.link.wait(self._link_id[job_id]))
+        return self.link.wait(job_id)
 
     def wait_any(self) -> list[Result]:
         """Block until a job lands: the oldest device <-> host job, else any I/O job."""
-        if self._job_id:
-            return [self._result(self.link.wait(min(self._job_id)))]
-        if self.io is not None and self.io.busy:
+        oldest = self.link.oldest()
+        if oldest is not None:
+            return [self.link.wait(oldest)]
+        if self.io.busy:
             return self.io.wait_any(timeout=IO_WAIT_S)
         return []
 
     def wait_layer(self, job_id: int, layer: int) -> bool:
-        return self.link.wait_layer(self._link_id[job_id], layer)
+        return self.link.wait_layer(job_id, layer)
 
     def in_flight(self, job_id: int) -> bool:
         """A device <-> host job submitted whose result is not yet delivered."""
-        return job_id in self._link_id
+        return self.link.pending(job_id)
 
     @property
     def busy(self) -> bool:
-        return bool(self._job_id) or (self.io is not None and self.io.busy)
+        return self.link.oldest() is not None or self.io.busy
 
     def report(self) -> WorkerReport:
-        return WorkerReport(self.link.stats(), self.host.stats(), self._store_stats(),
-                            self.host.num_slots)
-
-    def _store_stats(self) -> dict[str, Any]:
-        """What the stores below host say of themselves (for LLM.stats())."""
-        out: dict[str, Any] = {}
-        if self.disk is not None:
-            out["disk"] = {"path": str(self.disk.path), "file_bytes": self.disk.file_nbytes}
-        if self.remote is not None:
-            out["remote"] = {"errors": self.remote.errors, "last_error": self.remote.last_error,
-                             "url": self.remote.url_for_log}
-        return out
+        stores = {m.value: s.describe() for m, s in self.io.stores.items()}
+        return WorkerReport(self.link.stats(), self.host.stats(), stores, self.host.num_slots)
 
     def flush(self) -> None:
-        """Sync the disk tier: what a restart will find."""
-        if self.disk is not None:
-            self.disk.flush()
+        """Sync the stores below host: what a restart will find."""
+        for store in self.io.stores.values():
+            store.flush()
 
     def close(self) -> list[Result]:
         """Stop the link and the I/O thread, then give the stores and the host memory back
         (even if this object lives on after the engine is done with it). Returns the
         results of the jobs that never finished, for the manager to unpin."""
         self.link.close()
-        if self.io is not None:
-            self.io.close()
+        self.io.close()
         results = self.poll()
         self.flush()  # what the I/O thread wrote before it stopped is what a restart finds
-        for store in (self.disk, self.remote):
-            if store is not None:
-                store.close()
+        for store in self.io.stores.values():
+            store.close()
         self.host.release()
         return results
-
-    def _result(self, r: TransferResult) -> Result:
-        job_id = self._job_id.pop(r.job_id)
-        del self._link_id[job_id]
-        return Result.whole(job_id, r.spec.num_blocks, r.success, r.bytes, r.seconds, r.error,
-                            r.finished_at)

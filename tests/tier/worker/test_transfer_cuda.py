@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.tier.worker import Direction, HostPool, TransferEngine, TransferSpec
+from kvtier.tier import Job, Medium
+from kvtier.tier.worker import HostPool, TransferEngine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,9 +39,11 @@ def test_round_trip_is_byte_exact_on_cuda(layerwise: bool) -> None:
     source = kv.clone()
     with TransferEngine(kv, HostPool.like(kv, 24), blocks_per_chunk=3) as engine:
         assert engine.wait(engine.submit(
-            TransferSpec(Direction.STORE, tuple(blocks), tuple(slots))), timeout=10).success
+            Job(0, Medium.DEVICE, Medium.HOST, tuple(slots), device_blocks=tuple(blocks))),
+            timeout=10).success
         assert torch.equal(engine.host.tensor[slots], source[blocks].cpu())
-        job = engine.submit(TransferSpec(Direction.LOAD, tuple(fresh), tuple(slots), layerwise))
+        job = engine.submit(Job(1, Medium.HOST, Medium.DEVICE, tuple(slots),
+                                device_blocks=tuple(fresh), layerwise=layerwise))
         assert engine.wait(job, timeout=10).success
         stats = engine.stats()
     assert torch.equal(kv[fresh], source[blocks])
@@ -56,7 +59,7 @@ def test_store_reads_blocks_only_after_the_compute_streams_prior_writes() -> Non
         torch.cuda._sleep(SLEEP_CYCLES)
         kv[1].fill_(7.0)
         kv[5].fill_(7.0)
-        job = engine.submit(TransferSpec(Direction.STORE, (1, 5), (0, 3)))
+        job = engine.submit(Job(0, Medium.DEVICE, Medium.HOST, (0, 3), device_blocks=(1, 5)))
         marker = torch.cuda.Event()
         marker.record()
         assert not marker.query(), "compute finished before submit: the test proves nothing"
@@ -75,7 +78,7 @@ def test_a_load_waits_for_compute_still_reading_its_blocks() -> None:
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
         seen = kv[3].clone()  # queued behind the spin on the compute stream
-        job = engine.submit(TransferSpec(Direction.LOAD, (3,), (0,)))
+        job = engine.submit(Job(0, Medium.HOST, Medium.DEVICE, (0,), device_blocks=(3,)))
         assert engine.wait(job, timeout=30).success
     assert torch.equal(seen, before)
     assert bool((kv[3] == -1.0).all())
@@ -96,7 +99,8 @@ def test_compute_after_wait_layer_sees_that_layer_without_blocking_the_host() ->
             torch.cuda._sleep(SLEEP_CYCLES)
             spun = torch.cuda.Event()
             spun.record()
-            job = engine.submit(TransferSpec(Direction.LOAD, blocks, tuple(range(64)), True))
+            job = engine.submit(Job(0, Medium.HOST, Medium.DEVICE, tuple(range(64)),
+                                    device_blocks=blocks, layerwise=True))
         seen = []
         for layer in range(3):
             assert engine.wait_layer(job, layer, timeout=30)

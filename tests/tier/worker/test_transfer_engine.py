@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.tier.worker import Direction, HostPool, TransferEngine, TransferResult, TransferSpec
+from kvtier.tier import Job, Medium, Result
+from kvtier.tier.worker import HostPool, TransferEngine
 from kvtier.tier.worker.copy import block_runs
 
 BLOCK_BYTES = 3 * 4 * 2 * 2 * 8 * 4  # 3 layers x 4 tokens x (k, v) x 2 heads x 8 dims x fp32
@@ -20,16 +22,20 @@ def make_kv(num_blocks: int = 24, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_blocks, 3, 4, 2, 2, 8, generator=torch.Generator().manual_seed(seed))
 
 
-def store(blocks: list[int], slots: list[int]) -> TransferSpec:
-    return TransferSpec(Direction.STORE, tuple(blocks), tuple(slots))
+IDS = itertools.count()  # the caller's job ids, as a manager's
 
 
-def load(blocks: list[int], slots: list[int], layerwise: bool = False) -> TransferSpec:
-    return TransferSpec(Direction.LOAD, tuple(blocks), tuple(slots), layerwise)
+def store(blocks: list[int], slots: list[int]) -> Job:
+    return Job(next(IDS), Medium.DEVICE, Medium.HOST, tuple(slots), device_blocks=tuple(blocks))
 
 
-def poll_until(engine: TransferEngine, n: int, timeout: float = 5.0) -> list[TransferResult]:
-    results: list[TransferResult] = []
+def load(blocks: list[int], slots: list[int], layerwise: bool = False) -> Job:
+    return Job(next(IDS), Medium.HOST, Medium.DEVICE, tuple(slots), device_blocks=tuple(blocks),
+               layerwise=layerwise)
+
+
+def poll_until(engine: TransferEngine, n: int, timeout: float = 5.0) -> list[Result]:
+    results: list[Result] = []
     deadline = time.monotonic() + timeout
     while len(results) < n and time.monotonic() < deadline:
         results += engine.poll()
@@ -45,13 +51,13 @@ def test_store_then_load_round_trip_is_byte_exact(layerwise: bool) -> None:
     source = kv.clone()
     with TransferEngine(kv, HostPool.like(kv, 24), blocks_per_chunk=3) as engine:
         stored = engine.wait(engine.submit(store(blocks, slots)), timeout=5)
-        assert stored.success and stored.error is None
-        assert stored.bytes == 7 * BLOCK_BYTES
+        assert stored.success and stored.reasons == ("",) * 7
+        assert stored.nbytes == 7 * BLOCK_BYTES
         assert torch.equal(engine.host.tensor[slots], source[blocks])
         # bring them back into other blocks: [1, 5, 6, 7, 12, 13, 19] (6, 7 a run)
         fresh = [1, 5, 6, 7, 12, 13, 19]
         loaded = engine.wait(engine.submit(load(fresh, slots, layerwise)), timeout=5)
-        assert loaded.success and loaded.bytes == 7 * BLOCK_BYTES
+        assert loaded.success and loaded.nbytes == 7 * BLOCK_BYTES
     assert torch.equal(kv[fresh], source[blocks])
     untouched = [b for b in range(24) if b not in fresh]
     assert torch.equal(kv[untouched], source[untouched])
@@ -87,7 +93,7 @@ def test_loads_go_before_queued_stores() -> None:
         inside, release = threading.Event(), threading.Event()
         first = store(list(range(8)), list(range(8)))
 
-        def hold_first_chunk(spec: TransferSpec, step: int) -> bool:
+        def hold_first_chunk(spec: Job, step: int) -> bool:
             if spec is first and step == 0:
                 inside.set()
                 release.wait(5)
@@ -112,8 +118,8 @@ def test_fault_in_chunk_1_of_3_fails_the_job_and_the_next_one_succeeds() -> None
                         fault=lambda spec, step: spec is bad and step == 1) as engine:
         failed = engine.wait(engine.submit(bad), timeout=5)
         assert not failed.success
-        assert failed.error is not None and "injected fault in step 1" in failed.error
-        assert failed.bytes == 2 * BLOCK_BYTES  # chunk 0 landed; the caller discards it
+        assert "injected fault in step 1" in failed.reasons[0]
+        assert failed.nbytes == 2 * BLOCK_BYTES  # chunk 0 landed; the caller discards it
         good = engine.wait(engine.submit(store([6, 7, 8, 9, 10, 11], [6, 7, 8, 9, 10, 11])), 5)
         assert good.success
         assert torch.equal(engine.host.tensor[6:12], kv[6:12])
@@ -147,7 +153,7 @@ def test_close_with_jobs_pending_returns_promptly_and_fails_them() -> None:
     results = {r.job_id: r for r in engine.poll()}
     assert set(results) == set(jobs)
     assert not any(r.success for r in results.values())
-    assert "closed" in (results[jobs[-1]].error or "")
+    assert "closed" in results[jobs[-1]].reasons[0]
     assert all(engine.is_done(j) for j in jobs)
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(store([0], [0]))
@@ -198,15 +204,22 @@ def test_stats_count_bytes_busy_time_and_utilisation() -> None:
 
 def test_bad_specs_and_mismatched_pools_are_refused() -> None:
     kv = make_kv(4)
-    with pytest.raises(ValueError, match="lengths must match"):
-        store([0, 1], [0])
-    with pytest.raises(ValueError, match="loads only"):
-        TransferSpec(Direction.STORE, (0,), (0,), layerwise=True)
-    with pytest.raises(ValueError, match="repeats"):
-        load([1, 1], [0, 1])
     with pytest.raises(ConfigError, match="do not match"):
         TransferEngine(kv, HostPool.like(make_kv(4)[:, :2].contiguous(), 2))
     with TransferEngine(kv, HostPool.like(kv, 2)) as engine:
+        with pytest.raises(ValueError, match="lengths must match"):
+            engine.submit(store([0, 1], [0]))
+        with pytest.raises(ValueError, match="loads only"):
+            engine.submit(Job(next(IDS), Medium.DEVICE, Medium.HOST, (0,), device_blocks=(0,),
+                              layerwise=True))
+        with pytest.raises(ValueError, match="repeat an id"):
+            engine.submit(load([1, 1], [0, 1]))
+        with pytest.raises(ValueError, match="device and host only"):
+            engine.submit(Job(next(IDS), Medium.HOST, Medium.DISK, (0,)))
+        held = engine.submit(store([0], [0]))
+        with pytest.raises(ValueError, match="already in flight"):
+            engine.submit(Job(held, Medium.DEVICE, Medium.HOST, (1,), device_blocks=(1,)))
+        assert engine.wait(held, timeout=5).success
         with pytest.raises(ValueError, match="host slot 2"):
             engine.submit(store([0], [2]))
         with pytest.raises(ValueError, match="device block 4"):

@@ -7,9 +7,11 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.tier import Job, KVLayout, Medium, TierWorker
 from kvtier.tier.worker.host_pool import HostPool
+from kvtier.tier.worker.io import TierIO
 from kvtier.tier.worker.link import TransferEngine
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 10, 2, 4, 8
+NS = b"\x00" * 16  # the namespace blocks below host would carry (none here)
 
 
 def contiguous() -> KVLayout:
@@ -35,7 +37,7 @@ def block(layout: KVLayout, b: int) -> torch.Tensor:
 
 def worker(layout: KVLayout, slots: int = 6) -> TierWorker:
     host = HostPool.like(layout, slots)
-    return TierWorker(host, TransferEngine(layout, host, blocks_per_chunk=2))
+    return TierWorker(host, TransferEngine(layout, host, blocks_per_chunk=2), TierIO(host, NS))
 
 
 @pytest.mark.parametrize("make", [contiguous, per_layer], ids=["contiguous", "per-layer"])
@@ -83,7 +85,8 @@ def test_layers_that_differ_or_are_not_contiguous_are_refused() -> None:
 def test_a_failed_job_comes_back_as_a_failed_result() -> None:
     layout = per_layer()
     host = HostPool.like(layout, 4)
-    w = TierWorker(host, TransferEngine(layout, host, fault=lambda spec, step: True))
+    w = TierWorker(host, TransferEngine(layout, host, fault=lambda spec, step: True),
+                   TierIO(host, NS))
     try:
         w.submit(Job(7, Medium.DEVICE, Medium.HOST, (0,), device_blocks=(3,)))
         result = w.wait(7)

@@ -8,24 +8,21 @@ import random
 import time
 from pathlib import Path
 
+from conftest import output_key
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
-from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
+from kvtier.tier import Medium
 
 ACTIONS = st.lists(
     st.tuples(st.sampled_from(["new", "turn", "turn", "idle", "restart"]),
               st.integers(0, 10**6)),
     min_size=4, max_size=12,
 )
-
-
-def key(o: RequestOutput) -> tuple:
-    return tuple(o.token_ids), tuple(tuple(sorted(d.items())) for d in o.logprobs or [])
 
 
 @settings(max_examples=10, deadline=None,
@@ -74,7 +71,7 @@ def test_any_interleaving_with_disk_matches_an_unlimited_pool(
             rid = e.add_request(sessions[i], params)
             got = e.run_to_completion([rid])[rid]
             r = ref.add_request(sessions[i], params)
-            assert key(got) == key(ref.run_to_completion([r])[r])
+            assert output_key(got) == output_key(ref.run_to_completion([r])[r])
             if i in cold:  # the whole conversation went down at shutdown: it comes back up
                 assert got.residency == "disk" and got.num_restored_tokens >= 16
                 event("a conversation woke from disk after a restart")
@@ -84,7 +81,7 @@ def test_any_interleaving_with_disk_matches_an_unlimited_pool(
         assert not e.scheduler.running and e.pool.num_used == 0
         e.pool.check_invariants()
         e.tier.manager.host.check_invariants()
-        disk = e.tier.manager.below.disk
+        disk = e.tier.manager.below.tier(Medium.DISK)
         disk.check_invariants()
         assert disk.stats.pinned == 0 and e.tier.manager.host.stats.pinned == 0
     finally:

@@ -1,6 +1,7 @@
 """kv_offload_dtype: blocks leave the device in 8 bits (host memory holds ~4x more, disk and
 Redis get the same bytes), a session restored from them is tagged lossy, and a lossy block
-is never found by an exact engine (or the reverse)."""
+is never found by an exact engine (or the reverse). The knob's validation, which needs no
+model, is tests/tier/test_lossy_knobs.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
-from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
@@ -67,13 +67,6 @@ def test_exact_and_lossy_engines_never_share_blocks(tiny: LoadedModel, tmp_path:
     ids = [*FIRST, *first.token_ids, 3, 4, 5]
     out, stats = serve(tiny, ids, **disk)  # exact engine, lossy blocks on disk
     assert out.residency == "new" and not out.lossy and stats["fetched_blocks"] == {}
-
-
-def test_lossy_needs_the_host_tier() -> None:
-    with pytest.raises(ConfigError, match="kv_offloading_size"):
-        EngineConfig.from_knobs(kv_offload_dtype="int8")
-    with pytest.raises(ConfigError, match="int8, fp8"):
-        EngineConfig.from_knobs(kv_offloading_size=0.01, kv_offload_dtype="int4")
 
 
 @pytest.mark.parametrize("load_mode", ["async", "layerwise"])

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from kvtier.config import EngineConfig
+from kvtier.engine.faults import EngineFaults
 from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
+from kvtier.tier import Faults
 from kvtier.tier.keys import Medium, hash_blocks
 from kvtier.tier.worker.block_format import BlockHeader, encode_header, pack, unpack
 
@@ -36,9 +38,10 @@ def prompt(salt: int, n: int = 100) -> list[int]:
 class Engine:
     """An engine with the deep tiers of `knobs`, closed by the test (a clean shutdown)."""
 
-    def __init__(self, tiny: LoadedModel, **knobs: Any) -> None:
+    def __init__(self, tiny: LoadedModel, faults: Faults | None = None, **knobs: Any) -> None:
         config = EngineConfig.from_knobs(model="tiny", **{**BASE, **knobs})
-        self.engine = LLMEngine(config, loaded=tiny)
+        self.engine = LLMEngine(config, loaded=tiny,
+                                faults=EngineFaults(tier=faults) if faults else None)
 
     def run(self, ids: list[int]) -> Any:
         rid = self.engine.add_request(ids, PARAMS)
@@ -89,7 +92,8 @@ def written_disk(tiny: LoadedModel, tmp_path: Path) -> tuple[dict[str, Any], lis
 
 
 def slot_offset(engine: Engine, key: bytes, payload: bool) -> int:
-    tier, store = engine.engine.tier.manager.below.disk, engine.engine.tier.worker.disk
+    tier = engine.engine.tier.manager.below.tier(Medium.DISK)
+    store = engine.engine.tier.worker.store(Medium.DISK).store
     slot = tier._entries[key].slot
     return store._offset(slot) + (store.header_area + 100 if payload else 20)
 
@@ -108,10 +112,10 @@ def test_damaged_disk_block_is_a_miss(damage: str, tiny: LoadedModel, tmp_path: 
     knobs, ids = written_disk(tiny, tmp_path)
     b = Engine(tiny, **knobs)
     try:
-        store = b.engine.tier.worker.disk
+        store = b.engine.tier.worker.store(Medium.DISK).store
         keys = b.keys(ids)
         victim = keys[2]  # blocks 0-1 still serve, block 2 on is recomputed
-        entries = b.engine.tier.manager.below.disk._entries
+        entries = b.engine.tier.manager.below.tier(Medium.DISK)._entries
         # A cut file tears every slot from the victim's on: each is read and reported.
         torn = sum(1 for k in keys if k in entries and entries[k].slot >= entries[victim].slot)
         if damage in ("payload", "header"):
@@ -139,8 +143,7 @@ def test_damaged_disk_block_is_a_miss(damage: str, tiny: LoadedModel, tmp_path: 
 def test_full_disk_writes_fail_and_serving_goes_on(tiny: LoadedModel, tmp_path: Path,
                                                     reference: Any) -> None:
     knobs = {"disk_kv_path": str(tmp_path / "kv"), "disk_kv_size": 0.01}
-    a = Engine(tiny, **knobs)
-    a.engine.tier.worker.io.fault = lambda spec, i: "No space left on device"
+    a = Engine(tiny, Faults(below=lambda job, i: "No space left on device"), **knobs)
     first = prompt(2)
     out = a.run(first)
     a.engine.drain()  # the host -> disk hop is asynchronous
@@ -203,7 +206,7 @@ def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel, redis_se
     ids = written_remote(redis_server.url)
     b = Engine(tiny, remote_kv_url=redis_server.url)
     try:
-        store = b.engine.tier.worker.remote
+        store = b.engine.tier.worker.store(Medium.REMOTE).store
         name = store.key(b.keys(ids)[2])
         client = redis_server.client()
         header, payload = unpack(client.get(name))
@@ -261,11 +264,9 @@ def test_state_below_host_not_restored_counts_as_recomputed(why: str, tiny: Load
     knobs, ids = written_disk(tiny, tmp_path)
     if why == "declined":  # a disk this slow loses to recompute: the planner says no
         knobs = {**knobs, "disk_kv_max_gbps": 1e-6}
-    b = Engine(tiny, **knobs)
+    failed = Faults(below=lambda job, i: "checksum" if job.dst is Medium.HOST else None)
+    b = Engine(tiny, failed if why == "failed" else None, **knobs)
     try:
-        if why == "failed":
-            b.engine.tier.worker.io.fault = (
-                lambda job, i: "checksum" if job.dst is Medium.HOST else None)
         out = b.run(ids)
     finally:
         b.close()

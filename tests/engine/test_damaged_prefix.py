@@ -12,6 +12,7 @@ from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
+from kvtier.tier import Medium
 from kvtier.tier.keys import hash_blocks
 
 BLOCK = 16
@@ -32,8 +33,9 @@ def answer(e: LLMEngine, ids: list[int]) -> Any:
 
 def scribble(e: LLMEngine, key: bytes) -> None:
     """Flip one payload bit of `key`'s disk slot (its header stays valid)."""
-    store = e.tier.worker.disk
-    offset = store._offset(e.tier.manager.below.disk._entries[key].slot) + store.header_area + 100
+    store = e.tier.worker.store(Medium.DISK).store
+    slot = e.tier.manager.below.tier(Medium.DISK)._entries[key].slot
+    offset = store._offset(slot) + store.header_area + 100
     with open(store.path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -53,7 +55,7 @@ def test_three_scribbled_blocks_of_one_prefix_all_leave_the_disk_index_in_one_fe
     b = engine(tiny, **disk, kv_write_policy="write_back")
     try:
         keys = hash_blocks(b.namespace(), ids, BLOCK)[:6]
-        index = b.tier.manager.below.disk
+        index = b.tier.manager.below.tier(Medium.DISK)
         assert [index.lookup([k]) for k in keys] == [1] * 6
         for key in keys[1:4]:  # block 0 still serves; 1, 2 and 3 are scribbled
             scribble(b, key)

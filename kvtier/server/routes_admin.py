@@ -1,0 +1,52 @@
+"""The routes about the server rather than a generation: GET /health (for a supervisor or
+load balancer), /v1/models (the one served name, to a tenant), /metrics (Prometheus). None
+of them puts work in the engine's queue."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvtier.metrics import Metrics
+from kvtier.server.engine_loop import EngineLoop, RequestFailed
+from kvtier.stats import RequestLog, engine_stats
+
+
+def admin_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
+                 tenant_of: Callable[[Request], str]) -> APIRouter:
+    """`tenant_of` authenticates the model list (401) as it does the generation routes."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine serves; 503 (and why) when it is dead, stalled or draining."""
+        why = loop.health()
+        if why is not None:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        return {"object": "list", "data": [{"id": served_name, "object": "model",
+                                             "created": 0, "owned_by": "kvtier"}]}
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        def snapshot() -> tuple[dict[str, Any], int, int]:
+            s = loop.engine.scheduler  # counters and gauges only: no history is scanned
+            return engine_stats(loop.engine, RequestLog()), len(s.running), len(s.waiting)
+
+        try:
+            stats, running, waiting = await asyncio.wrap_future(loop.call(snapshot))
+        except RequestFailed:  # the engine is gone: what the counters said last
+            stats, running, waiting = {}, 0, 0
+        metrics.refresh(stats, running=running, waiting=waiting)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return router

@@ -1,0 +1,105 @@
+"""POST /v1/completions and /v1/chat/completions: who asks (the tenant, whose blocks live in
+its own hash namespace), what they ask (a bounded body, validated, for the served model), and
+the prompt it makes; `Responder` answers. `guarded` turns whatever a handler did not foresee
+into a 500 in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from kvtier.engine.llm_engine import PromptType
+from kvtier.errors import RequestError
+from kvtier.metrics import Metrics
+from kvtier.server.engine_loop import EngineLoop, RequestFailed
+from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvtier.server.request_body import ApiError, json_body, prompt_text, read_body
+from kvtier.server.responses import Responder
+
+log = logging.getLogger(__name__)
+
+
+def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
+                      tenant_of: Callable[[Request], str], body_limit: int) -> APIRouter:
+    """The two generation routes; `tenant_of` authenticates (401) and `body_limit` bounds
+    a request body (413) before it is read whole."""
+    max_len = loop.engine.max_model_len
+    names = {served_name, "default"}
+    responder = Responder(loop, served_name, metrics)
+    router = APIRouter()
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        body = json_body(await read_body(request, body_limit))
+        try:
+            parsed = model.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise ApiError(400, f"{where}: {first['msg']}") from None
+        if parsed.model not in names:
+            raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves "
+                           f"'{served_name}'", "model_not_found")
+        return parsed
+
+    @router.post("/v1/completions")
+    @guarded
+    async def completions(request: Request) -> Response:
+        tenant = tenant_of(request)
+        req: CompletionRequest = await parse(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            text = prompt_text(req.prompt, max_len)
+            ids = await asyncio.to_thread(loop.engine.tokenizer.encode, text)
+            prompt: PromptType = {"prompt": text, "prompt_token_ids": ids}
+        else:
+            prompt = {"prompt_token_ids": req.prompt}
+        return await responder.serve(request, req, prompt, req.max_tokens, tenant, chat=False)
+
+    @router.post("/v1/chat/completions")
+    @guarded
+    async def chat(request: Request) -> Response:
+        tenant = tenant_of(request)
+        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        tokenizer = loop.engine.tokenizer
+        try:
+            messages = [{"role": m.role, "content": prompt_text(m.text(), max_len)}
+                        for m in req.messages]
+            # the template and the tokenizer run off the event loop: other requests go on
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=True)
+        except RequestError as e:
+            raise ApiError(400, str(e)) from None
+        text = prompt_text(text, max_len)
+        ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        return await responder.serve(request, req, {"prompt": text, "prompt_token_ids": ids},
+                                     req.limit, tenant, chat=True)
+
+    return router
+
+
+def guarded(handler: Callable[[Request], Awaitable[Response]]
+            ) -> Callable[[Request], Awaitable[Response]]:
+    """A request the engine could not serve is its 500 or 503, and whatever a handler did
+    not foresee a logged 500, in OpenAI's shape (counted, the connection kept), never a
+    plain-text traceback page."""
+
+    @functools.wraps(handler)
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError:
+            raise
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e), kind="server_error") from None
+        except Exception as e:
+            log.exception("kvtier: %s %s failed", request.method, request.url.path)
+            raise ApiError(500, f"internal error ({type(e).__name__}); the server logged it",
+                           kind="server_error") from None
+
+    return run

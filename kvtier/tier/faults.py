@@ -1,0 +1,50 @@
+"""Where a test makes the tier fail: one object, passed to `build()` (and to the worker side).
+
+  link   (job, step) -> True      that step of a device <-> host copy raises (the job fails,
+                                  its partial bytes are discarded: a recompute, never a load)
+  below  (job, index) -> Reason   that block of a job below host fails with that reason
+`Faults.from_env()` is the one reader of the environment, for tests that drive a real process
+(a server, vLLM): KVTIER_FAULT_LOADS=1 fails every host -> device load. Everything is off by
+default; nothing here runs unless a test asked for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.tier.jobs import Job, Reason
+from kvtier.tier.keys import Medium
+
+LinkFault = Callable[[Job, int], bool]
+BelowFault = Callable[[Job, int], Reason | str | None]
+LOADS_ENV = "KVTIER_FAULT_LOADS"
+
+
+def no_link_fault(job: Job, step: int) -> bool:
+    return False
+
+
+def no_below_fault(job: Job, index: int) -> Reason | None:
+    return None
+
+
+def every_load(job: Job, step: int) -> bool:
+    return job.dst is Medium.DEVICE
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The tier's fault hooks; a test passes its own callables (closures may read its state)."""
+
+    link: LinkFault = no_link_fault
+    below: BelowFault = no_below_fault
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        """Off unless a test process set KVTIER_FAULT_LOADS=1 (every load fails)."""
+        return cls(link=every_load) if os.environ.get(LOADS_ENV) == "1" else cls()
+
+
+NO_FAULTS = Faults()
