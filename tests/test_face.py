@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # kvtier/tier/manager.py's docstring, and the read-only facts a client sizes itself by
 MANAGER_FACE = frozenset({
-    "match", "fetch", "allocated", "store", "finished", "forget", "take_jobs", "apply",
+    "match", "allocated", "outcome", "store", "finished", "forget", "take_jobs", "apply",
     "report", "decide", "observe_prefill", "wait_presence", "busy", "below_host",
     "host_slots", "holds", "write_down_host", "config", "block_size", "block_bytes", "lossy",
+    "close",
 })
 # kvtier/tier/worker/worker.py's docstring
 WORKER_FACE = frozenset({

@@ -2,9 +2,9 @@
 
 `plan_admission` finds the device prefix, then asks the tier (`match`) to continue the
 chain in host memory and below, with the planner's verdict per sequence. Where the prefix
-goes on below host (disk, remote), the plan is a fetch up to host first; the request is
-planned again once the fetch lands. None: the tier's answer is pending (ask next step).
-Pure bookkeeping.
+goes on below host (disk, remote), the tier fetches it up to host first (the match says
+FETCHING); the request is planned again once the fetch lands. None: the tier's answer is
+pending (ask next step). Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,
     if match is None:
         return None
     done = swapped is not None
-    if match.fetch_keys:
+    if match.fetching:  # the tier is bringing the prefix up from below host
         return AdmissionPlan(prefix, prefix.num_tokens, match)
     if match.load_keys:
         return AdmissionPlan(prefix, prefix.num_tokens + match.restored_tokens, match,

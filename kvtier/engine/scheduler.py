@@ -115,8 +115,8 @@ class Scheduler:
             if plan is None:  # a deeper tier's answer is on its way: ask again next step
                 seq.timings.enter(Phase.TIER, time.perf_counter())
                 break
-            if plan.match.fetch_keys:
-                self._start_fetch(seq, plan)
+            if plan.match.fetching:
+                self._fetching(seq)
                 continue
             layerwise = self.policy.load_mode is LoadMode.LAYERWISE
             waits = bool(plan.load_keys) and not layerwise
@@ -171,14 +171,12 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         self._restore_plan[seq.request_id] = plan
 
-    def _start_fetch(self, seq: Sequence, plan: AdmissionPlan) -> None:
-        """Bring the blocks of `seq`'s prefix that live below host up to host; it waits out
-        of the queue meanwhile and is planned again (as a host wake) when they land. With
-        no host room to stage them, they are computed again."""
-        if self.tier.fetch(seq.request_id, plan.match):
-            self.waiting.popleft()
-            self.fetching[seq.request_id] = seq
-            seq.timings.enter(Phase.TIER, time.perf_counter())
+    def _fetching(self, seq: Sequence) -> None:
+        """The tier is bringing `seq`'s prefix up from below host: it waits out of the queue
+        meanwhile and is planned again (as a host wake) when the fetch lands."""
+        self.waiting.popleft()
+        self.fetching[seq.request_id] = seq
+        seq.timings.enter(Phase.TIER, time.perf_counter())
 
     def apply(self, events: Seq[Event]) -> set[str]:
         """The tier's finished loads and fetches; returns the request ids whose load failed

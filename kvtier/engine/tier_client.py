@@ -95,9 +95,6 @@ class TierClient:
               tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
         return self.manager.match(request_id, keys, tokens, preempted)
 
-    def fetch(self, request_id: str, match: Match) -> bool:
-        return self.manager.fetch(request_id, match)
-
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool) -> int | None:
         exclusive = self.policy.kv_write_policy is WritePolicy.WRITE_BACK
@@ -279,9 +276,6 @@ class NullTier:
     def match(self, request_id: str, keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
         return NO_MATCH
-
-    def fetch(self, request_id: str, match: Match) -> bool:
-        return False
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool) -> int | None:

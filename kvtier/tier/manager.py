@@ -1,11 +1,12 @@
 """TierManager: the scheduler side of the tier. Bookkeeping only: no tensors, no device pool.
 
 Primitives, in the order a client calls them:
-  match(request, keys, tokens)      leading blocks the host holds (load) or a deeper tier
-                                    holds (fetch), with the planner's verdict; None = a
+  match(request, keys, tokens)      leading blocks the host holds (to load), with the
+                                    planner's verdict; a prefix that goes on below host is
+                                    fetched up first (FETCHING until it lands); None = a
                                     remote presence answer is pending, ask again next step
-  fetch(request, match)             bring the below-host blocks up into host slots first
   allocated(request, match, blocks) device blocks are ready: start the host -> device load
+  outcome(request)                  what was restored, from where, in how long, lossy, failed
   store(blocks, keys, tokens)       device blocks -> host slots (the client holds an extra
                                     reference on each device block until its StoreDone)
   finished(request)                 the request is gone: its per-request state is dropped
@@ -40,10 +41,8 @@ class Match:
     restored_tokens: int = 0  # tokens those blocks cover
     declined_tokens: int = 0  # found (host or below) but the planner chose to recompute
     decision: Decision | None = None
-    fetch_keys: tuple[BlockKey, ...] = ()  # below host: bring these up to host first
-    fetch_tokens: tuple[tuple[int, ...], ...] = ()
-    fetch_media: tuple[Medium, ...] = ()
     fetched_from: Medium | None = None  # a fetch brought (some of) these blocks up to host
+    fetching: bool = False  # not yet: a fetch below host is on its way (ask again after it)
 
     @property
     def residency(self) -> Medium | None:
@@ -54,6 +53,19 @@ class Match:
 
 
 NO_MATCH = Match()
+FETCHING = Match(fetching=True)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What the tier did for one request, for every client to report (kv_transfer_params,
+    a response's residency) instead of keeping its own copy."""
+
+    restored_tokens: int = 0  # loaded from the tier and landed (a swap-in included)
+    source: Medium | None = None  # where the restored state lived: host, disk or remote
+    seconds: float = 0.0  # the loads' time, failed ones included
+    lossy: bool = False  # restored from 8-bit blocks
+    failed: bool = False  # a load failed: its tokens were computed again
 
 
 @dataclass
@@ -64,6 +76,7 @@ class _Pending:
     keys: list[BlockKey]
     request_id: str | None = None
     predicted_s: float | None = None
+    tokens: int = 0  # a load: the tokens it restores
     demote: bool = False
     evict_first: bool = False
     exclusive: bool = False  # a load after which the host copy is dropped (write-back)
@@ -76,6 +89,8 @@ class _Request:
     checked_below: bool = False  # tiers below host were consulted once: never fetch twice
     declined_tokens: int = 0  # found below host but declined, or lost on the way up
     fetched_from: Medium | None = None
+    fetching: bool = False  # its fetch below host is on its way
+    outcome: RequestOutcome = RequestOutcome()
 
 
 class TierManager:
@@ -152,8 +167,12 @@ class TierManager:
               tokens: Sequence[Sequence[int]], preempted: bool = False) -> Match | None:
         """The blocks after the device prefix (`keys[i]` covers `tokens[i]`; a preempted
         sequence's partial last block included) that are worth restoring rather than
-        recomputing. None: a deeper tier's answer is pending, ask again next step."""
+        recomputing. None: a deeper tier's answer is pending, ask again next step. Where
+        the prefix goes on below host and reading it up beats recomputing it, the fetch
+        starts here and the answer is FETCHING (not yet) until it lands."""
         state = self._requests.setdefault(request_id, _Request())
+        if state.fetching:
+            return FETCHING
         hits = self.host_hits(keys, tokens)
         cap = self.config.max_load_tokens
         if cap is not None:
@@ -166,9 +185,8 @@ class TierManager:
             state.checked_below = True
             if cap is not None:
                 media = media[: max(0, cap // self.block_size - hits)]
-            fetch = self._plan_fetch(state, keys[hits:], tokens[hits:], media)
-            if fetch is not None:
-                return fetch
+            if self._fetch(request_id, state, keys[hits:], tokens[hits:], media):
+                return FETCHING
             extra = state.declined_tokens
         if hits == 0:
             return Match(declined_tokens=extra) if extra else NO_MATCH
@@ -180,34 +198,29 @@ class TierManager:
         return Match(tuple(keys[:hits]), restored, extra, decision,
                      fetched_from=state.fetched_from)
 
-    def _plan_fetch(self, state: _Request, keys: Sequence[BlockKey],
-                    tokens: Sequence[Sequence[int]], media: list[Medium]) -> Match | None:
+    def _fetch(self, request_id: str, state: _Request, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]], media: list[Medium]) -> bool:
+        """Start bringing the leading `media` blocks up to host if reading them beats
+        recomputing them; False if not worth it or the host has no room (those tokens are
+        then recomputed, and counted so when the request is admitted)."""
         if not media:
-            return None
+            return False
         n = len(media)
-        via = self.below.deepest(media)
+        below = self.below
+        via = below.deepest(media).value
         decision = self.planner.decide(n * self.block_size, n * self.block_bytes, "auto",
-                                       via.value, via_nbytes=n * self.below.block_bytes)
+                                       via, via_nbytes=n * below.block_bytes)
         if decision.choice == "recompute":
             state.declined_tokens += n * self.block_size
-            return None
-        return Match(decision=decision, fetch_keys=tuple(keys[:n]),
-                     fetch_tokens=tuple(tuple(t) for t in tokens[:n]), fetch_media=tuple(media))
+            return False
 
-    def fetch(self, request_id: str, match: Match) -> bool:
-        """Start bringing `match.fetch_keys` up to host; False if the host has no room (those
-        tokens are then recomputed, and counted so when the request is admitted)."""
-        assert match.fetch_keys
-        below = self.below
-        via = below.deepest(match.fetch_media).value
+        def predict(k: int) -> float:
+            return self.planner.fetch_s(via, k * below.block_bytes)
 
-        def predict(n: int) -> float:
-            return self.planner.fetch_s(via, n * below.block_bytes)
-
-        if below.fetch(request_id, match.fetch_keys, match.fetch_tokens, match.fetch_media,
-                       predict):
+        if below.fetch(request_id, keys[:n], tokens[:n], media, predict):
+            state.fetching = True
             return True
-        self._requests[request_id].declined_tokens += len(match.fetch_keys) * self.block_size
+        state.declined_tokens += n * self.block_size
         return False
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
@@ -216,20 +229,28 @@ class TierManager:
         load and return its job id (None when there is nothing to load). `exclusive`: once
         loaded, the device copy is the one that counts and the host slots are freed (a
         client that writes blocks back when it evicts them)."""
-        state = self._requests.get(request_id)
-        if state is not None:
-            state.declined_tokens = 0  # counted once, by this admission
+        state = self._requests.setdefault(request_id, _Request())
+        state.declined_tokens = 0  # counted once, by this admission
         self.below.release(request_id)  # the load takes pins of its own
         if not match.load_keys:
             return None
+        o = state.outcome
+        state.outcome = replace(o, restored_tokens=o.restored_tokens + match.restored_tokens,
+                                source=match.residency, lossy=o.lossy or self.lossy)
         keys = list(match.load_keys)
         slots = self.host.prepare_load(keys)
         self.host.touch(keys)
         job = Job(next(self._ids), Medium.HOST, Medium.DEVICE, tuple(slots),
                   device_blocks=tuple(device_blocks), layerwise=layerwise)
         predicted = match.decision.restore_s if match.decision is not None else None
-        self._add(_Pending(job, keys, request_id, predicted, exclusive=exclusive))
+        self._add(_Pending(job, keys, request_id, predicted, match.restored_tokens,
+                           exclusive=exclusive))
         return job.id
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        """What the tier did for the request so far (nothing, for one it does not know)."""
+        state = self._requests.get(request_id)
+        return state.outcome if state is not None else RequestOutcome()
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         """The request finished or was aborted: forget its state and its swap entries."""
@@ -297,6 +318,7 @@ class TierManager:
     def _fetched(self, done: FetchDone, result: Result) -> None:
         state = self._requests.get(done.request_id)
         if state is not None:
+            state.fetching = False  # asked again: the host holds what verified
             state.fetched_from = done.source if done.fetched else None
             state.declined_tokens += done.missed * self.block_size
         if done.source is not None and result.nbytes:
@@ -331,6 +353,12 @@ class TierManager:
         else:
             self.stats.failed_loads += 1
         assert pending.request_id is not None
+        state = self._requests.get(pending.request_id)
+        if state is not None:  # a miss, never a load: its tokens are computed again
+            o = state.outcome
+            state.outcome = replace(
+                o, seconds=o.seconds + result.seconds, failed=o.failed or not ok,
+                restored_tokens=o.restored_tokens - (0 if ok else pending.tokens))
         return LoadDone(pending.request_id, job.id, ok, len(pending.keys), nbytes,
                         result.seconds, result.finished_at)
 

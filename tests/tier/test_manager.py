@@ -12,7 +12,7 @@ from kvtier.tier.index.host import HostTier
 from kvtier.tier.index.remote import RemotePresence, RemoteTier
 from kvtier.tier.jobs import FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import Medium, hash_blocks
-from kvtier.tier.manager import TierManager, job_ids
+from kvtier.tier.manager import FETCHING, NO_MATCH, RequestOutcome, TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
 
 BS = 4  # tokens per block
@@ -144,17 +144,21 @@ def test_write_down_to_disk_then_fetch_up_then_load() -> None:
     run(m)
     run(m)  # and their writes down
     assert m.host_hits(KEYS[:1], CHUNKS[:1]) == 0 and m.holds(KEYS[0])  # on disk only
-    match = m.match("r", KEYS[:2], CHUNKS[:2])
-    assert match.fetch_keys == tuple(KEYS[:2]) and match.fetch_media == (Medium.DISK,) * 2
-    assert m.fetch("r", match)
-    [fetched] = run(m)
+    assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING  # the fetch started: not yet
+    [fetch] = m.take_jobs()
+    assert fetch.keys == tuple(KEYS[:2]) and fetch.media == (Medium.DISK,) * 2
+    assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING  # still on its way: never twice
+    [fetched] = m.apply([Result(fetch.id, (True, True), ("", ""), 2 * NBYTES, 1e-6)])
     assert fetched == FetchDone("r", 2, Medium.DISK, 0, predicted_s=fetched.predicted_s)
     assert fetched.predicted_s is not None and fetched.predicted_s > 0  # scored on landing
     again = m.match("r", KEYS[:2], CHUNKS[:2])
     assert again.load_keys == tuple(KEYS[:2]) and again.residency is Medium.DISK
     m.allocated("r", again, [5, 6])
-    run(m)
+    [loaded] = run(m)
+    assert loaded.success
+    assert m.outcome("r") == RequestOutcome(2 * BS, Medium.DISK, loaded.seconds, False, False)
     m.finished("r")
+    assert m.outcome("r") == RequestOutcome()  # forgotten with the request
     assert m.host.stats.pinned == 0 and m.below.tier(Medium.DISK).stats.pinned == 0
 
 
@@ -164,8 +168,7 @@ def test_a_corrupt_block_ends_the_fetched_prefix_and_is_dropped() -> None:
     run(m)
     run(m)
     m.host.remove(KEYS[:2])  # host lost them: only the disk has them
-    match = m.match("r", KEYS[:2], CHUNKS[:2])
-    assert m.fetch("r", match)
+    assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING
     [fetched] = run(m, fail_at=1)  # block 1 fails its checksum
     assert fetched.fetched == 1 and fetched.missed == 1
     assert m.below.stats.misses == {"disk:checksum": 1}
@@ -187,8 +190,9 @@ def test_remote_presence_is_asked_off_the_thread_and_the_request_asks_again() ->
     assert m.busy  # a presence answer is awaited
     gate.set()
     m.below.wait_presence(timeout=5)
-    match = m.match("r", KEYS[:2], CHUNKS[:2])
-    assert match is not None and match.fetch_media == (Medium.REMOTE,) * 2
+    assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING
+    [fetch] = m.take_jobs()
+    assert fetch.media == (Medium.REMOTE,) * 2 and fetch.src is Medium.REMOTE
     m.close()
 
 
@@ -199,7 +203,7 @@ def test_an_unreachable_store_answers_absent() -> None:
     m = manager(below=True, exists=exists)
     assert m.match("r", KEYS[:1], CHUNKS[:1]) is None
     m.below.wait_presence(timeout=5)
-    assert m.match("r", KEYS[:1], CHUNKS[:1]).fetch_keys == ()
+    assert m.match("r", KEYS[:1], CHUNKS[:1]) == NO_MATCH and m.take_jobs() == []
     assert m.report().below.lookups_answered_absent == 1
     m.close()
 
@@ -217,3 +221,16 @@ def test_the_bookkeeping_imports_no_torch() -> None:
     code = ("import sys, kvtier.tier.manager, kvtier.tier.below, kvtier.tier.index.remote, "
             "kvtier.tier.layout, kvtier.tier.jobs; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_failed_load_is_in_the_requests_outcome_as_a_miss() -> None:
+    m = manager()
+    m.store([7, 8], KEYS[:2], CHUNKS[:2])
+    run(m)
+    match = m.match("r", KEYS[:2], CHUNKS[:2])
+    m.allocated("r", match, [5, 6])
+    assert m.outcome("r").restored_tokens == 2 * BS and m.outcome("r").source is Medium.HOST
+    [failed] = run(m, ok=False)
+    assert not failed.success
+    outcome = m.outcome("r")
+    assert outcome.failed and outcome.restored_tokens == 0 and outcome.seconds == 1e-6

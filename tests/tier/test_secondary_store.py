@@ -15,7 +15,7 @@ from kvtier.tier.index.base import IndexStats, PrepareStoreResult
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import FetchDone, LoadDone, Reason
 from kvtier.tier.keys import BlockKey, hash_blocks
-from kvtier.tier.manager import job_ids
+from kvtier.tier.manager import FETCHING, job_ids
 from kvtier.tier.worker.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
@@ -128,9 +128,7 @@ def settle(manager: TierManager, worker: TierWorker) -> list:
 
 def wake(manager: TierManager, worker: TierWorker, request: str, blocks: list[int]) -> list:
     """Match, fetch up from the store, match again, load into `blocks`: the events."""
-    match = manager.match(request, KEYS, CHUNKS)
-    assert match is not None and match.fetch_media == (Medium.REMOTE,) * len(match.fetch_keys)
-    assert manager.fetch(request, match)
+    assert manager.match(request, KEYS, CHUNKS) is FETCHING  # the tier started the fetch
     events = settle(manager, worker)
     again = manager.match(request, KEYS, CHUNKS)
     assert again is not None

@@ -28,7 +28,6 @@ from typing import Any
 from kvtier.tier import (
     NO_MATCH,
     BlockKey,
-    FetchDone,
     Job,
     LoadDone,
     Match,
@@ -56,11 +55,6 @@ class _Request:
     stored: int = 0  # leading full blocks handed to the tier (stored, or loaded from it)
     match: Match = NO_MATCH
     local_blocks: int = 0  # vLLM's own prefix hit when `match` was made
-    restored_tokens: int = 0
-    restore_s: float = 0.0
-    load_failed: bool = False
-    fetching: bool = False  # a fetch from disk or Redis into host slots is on its way
-    residency: Residency | None = None  # where the restored state lived: host, disk or remote
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
 
@@ -82,8 +76,6 @@ class SchedulerSide:
                        num_computed: int) -> int | None:
         """Tokens after vLLM's own `num_computed` that kvtier can restore from host."""
         st = self._state(request_id, tokens, salt)
-        if st.fetching:
-            return None
         bs = self.block_size
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
@@ -93,12 +85,7 @@ class SchedulerSide:
         keys = self._keys(st, last)
         chunks = [tokens[i * bs:(i + 1) * bs] for i in range(d, last)]
         match = self.manager.match(request_id, keys[d:last], chunks)
-        if match is not None and match.fetch_keys:
-            if self.manager.fetch(request_id, match):
-                st.fetching = True
-                return None
-            match = self.manager.match(request_id, keys[d:last], chunks)  # host room ran out
-        if match is None:
+        if match is None or match.fetching:  # a presence answer or a fetch is on its way
             return None
         st.match, st.local_blocks, st.looked_up = match, d, (last - d) * bs
         return match.restored_tokens if match.load_keys else 0
@@ -121,10 +108,6 @@ class SchedulerSide:
         if job is not None:
             self._restoring[job] = match.restored_tokens
         st.stored = max(st.stored, d + n)
-        if n:
-            st.restored_tokens += match.restored_tokens
-            medium = match.residency
-            st.residency = Residency.HOST if medium is None else Residency.from_medium(medium)
         st.match = NO_MATCH
         return job
 
@@ -152,19 +135,11 @@ class SchedulerSide:
 
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
-            if isinstance(event, FetchDone):
-                st = self.requests.get(event.request_id)
-                if st is not None:
-                    st.fetching = False  # asked again next step: the host holds what verified
-            elif isinstance(event, LoadDone):
+            if isinstance(event, LoadDone):
                 tokens = self._restoring.pop(event.job_id, 0)
                 if event.success:
                     self._counts["restored_tokens"] += tokens
                     self._counts["restore_seconds"] += event.seconds
-                st = self.requests.get(event.request_id)
-                if st is not None:
-                    st.restore_s += event.seconds
-                    st.load_failed = st.load_failed or not event.success
 
     def take_stats(self) -> dict[str, float]:
         """What happened since the last call (vLLM sums the reports). Keys with a tier (and a
@@ -197,17 +172,19 @@ class SchedulerSide:
         return out
 
     def finished(self, request_id: str) -> dict[str, Any]:
-        """Forget the request; what kvtier did for it (vLLM's kv_transfer_params)."""
+        """Forget the request; what kvtier did for it (vLLM's kv_transfer_params), as the
+        tier's own outcome for it says."""
+        outcome = self.manager.outcome(request_id)
         self.manager.finished(request_id)
-        st = self.requests.pop(request_id, None)
-        if st is None:
+        if self.requests.pop(request_id, None) is None:
             return {}
-        restored = 0 if st.load_failed else st.restored_tokens
+        restored = 0 if outcome.failed else outcome.restored_tokens
         # "none": kvtier restored nothing (vLLM's own prefix cache or its compute served it)
-        residency = st.residency.value if restored and st.residency is not None else "none"
+        residency = (Residency.from_medium(outcome.source).value
+                     if restored and outcome.source else "none")
         return {"kvtier_residency": residency,
                 "kvtier_restored_tokens": restored,
-                "kvtier_restore_s": round(st.restore_s, 6)}
+                "kvtier_restore_s": round(outcome.seconds, 6)}
 
     def _state(self, request_id: str, tokens: Sequence[int], salt: str) -> _Request:
         st = self.requests.get(request_id)
