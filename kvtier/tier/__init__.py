@@ -1,17 +1,23 @@
 """kvtier's KV tier as a library: host memory, then disk and a shared store below it.
 
 The face, for any engine (kvtier's own, vLLM's through a KV connector):
-  build(config, layout, namespace, block_size, prefill_tokens_per_s) -> Tier
-  Tier.manager   TierManager, scheduler side, no tensors: match / fetch / allocated /
-                 store / finished / take_jobs / apply
+  build(config, layout, namespace, block_size, prefill_tokens_per_s, faults) -> Tier
+  Tier           the in-process driver: submit / reap / wait_any / wait / drain /
+                 write_down_host / close, over
+  Tier.manager   TierManager, scheduler side, no tensors: match (which starts a fetch below
+                 host itself: FETCHING until it lands) / allocated / outcome / store /
+                 finished / take_jobs / apply
   Tier.worker    TierWorker, bytes side: submit / poll / wait / wait_any / wait_layer / close
   TierStats      TierManager.report(): the scheduler side's counters, one frozen snapshot
   WorkerReport   TierWorker.report(): the link's traffic, host memory, the stores' state
   KVLayout       the engine's KV memory: from_contiguous(kv) or from_layers({name: tensor})
   Fingerprint    the namespace every block key is chained from (change a field: no old hit)
+  Faults         the one fault seam, given to build() (tests)
+  Residency      where a request's state lived, one enum from here to the HTTP header
   Job, Result, LoadDone, FetchDone, StoreDone   what crosses between the two sides
-Nothing here imports an engine; everything outside `worker/` is pure Python (no torch), and
-the bytes side is imported only when first named, so bookkeeping alone never loads torch.
+Nothing here imports an engine; everything outside `worker/` and `driver.py` is pure Python
+(no torch), and the bytes side is imported only when first named, so bookkeeping alone never
+loads torch.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -23,7 +29,7 @@ from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, St
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout
-from kvtier.tier.manager import NO_MATCH, Match, TierManager
+from kvtier.tier.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
     from kvtier.tier.worker.worker import TierWorker, WorkerReport
 
 __all__ = [
+    "FETCHING",
     "GIB",
     "NO_FAULTS",
     "NO_MATCH",
@@ -59,6 +66,7 @@ __all__ = [
     "Medium",
     "Planner",
     "Reason",
+    "RequestOutcome",
     "Residency",
     "Result",
     "SchedulerTier",
