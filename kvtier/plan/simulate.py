@@ -16,9 +16,8 @@ Making room evicts the least recently used idle sessions to the host tier (a sto
 link, queued before the restore that needed the room). A turn is admitted, first come first
 served, only when the running sessions leave room for it (idle ones can always be evicted),
 as the engine waits for device blocks; a turn too large for any room runs alone rather than
-deadlock. With `idle_offload_s` a
-session idle that long moves to the host tier (a store) even without pressure, as the
-engine's knob does. Prefill takes the planner's `prefill_s` (linear + causal attention over
+deadlock. With `idle_offload_s` a session idle that long moves to the host tier (a store)
+even without pressure, as the engine's knob does. Prefill takes the planner's `prefill_s` (linear + causal attention over
 the cached prefix), at least one memory-bound forward (weights / HBM bandwidth). Decode is
 memory bound: each output token costs (weights + the session's KV bytes) / HBM bandwidth,
 and runs beside prefills (continuous batching), so it delays the session's next turn, not
@@ -257,8 +256,7 @@ class _Sim:
         else:
             if s.where == "host":
                 self.host.pop(sid)
-            residency = Residency.RECOMPUTED if ctx else Residency.NEW
-            tokens, cached = ctx + new, 0
+            residency, tokens, cached = Residency.RECOMPUTED if ctx else Residency.NEW, ctx + new, 0
         work = self.compute_s(tokens, cached)
         after = self.tokens_after_turn(sid)
         total = after * self.per_token

@@ -38,7 +38,7 @@ from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout, as_layout
 from kvtier.tier.worker.copy import layer_index, move_blocks, move_layer
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.link_job import LOAD, STORE, Copy, JobState
+from kvtier.tier.worker.link_job import LOAD, STORE, Copy, JobState, check_link_job
 from kvtier.tier.worker.link_stats import DirectionCounter, TransferStats
 
 
@@ -105,7 +105,7 @@ class TransferEngine:
     def submit(self, job: Job) -> int:
         """Queue a job (its id is the caller's); its copies start after the current stream's
         work queued so far. ValueError for a job the link cannot run."""
-        self._check(job)
+        check_link_job(job, self.layout.num_blocks, self.host.num_slots)
         # Stores go in chunks so a load never waits behind a long one; a whole-block load is
         # one step (nothing preempts it, and each step costs a worker hand-off).
         chunks = 1 if job.dst is LOAD else math.ceil(job.num_blocks / self.blocks_per_chunk)
@@ -126,25 +126,6 @@ class TransferEngine:
             self._queues[job.dst].append(copy)
             self._cond.notify_all()
         return job.id
-
-    def _check(self, job: Job) -> None:
-        if {job.src, job.dst} != {LOAD, STORE}:
-            raise ValueError(f"job {job.id} goes {job.src} -> {job.dst}; the link copies "
-                             "between device and host only")
-        if len(job.device_blocks) != len(job.host_slots):
-            raise ValueError(
-                f"{len(job.device_blocks)} device blocks but {len(job.host_slots)} host slots; "
-                "block i goes to slot i, so the lengths must match")
-        if job.layerwise and job.dst is not LOAD:
-            raise ValueError("layerwise applies to loads only (a store copies whole blocks)")
-        for name, ids, limit in (("device block", job.device_blocks, self.layout.num_blocks),
-                                 ("host slot", job.host_slots, self.host.num_slots)):
-            if any(i < 0 for i in ids):
-                raise ValueError(f"{name}s have a negative id: {ids}")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"{name}s repeat an id: {ids}")
-            if ids and max(ids) >= limit:
-                raise ValueError(f"{name} {max(ids)} >= {limit} {name}s")
 
     def oldest(self) -> int | None:
         """The earliest submitted job whose result is not yet delivered (None: none is)."""

@@ -47,3 +47,24 @@ class Copy:
     @property
     def direction(self) -> Medium:
         return self.job.dst
+
+
+def check_link_job(job: Job, num_blocks: int, num_slots: int) -> None:
+    """ValueError for a job the link cannot run, naming what is wrong."""
+    if {job.src, job.dst} != {LOAD, STORE}:
+        raise ValueError(f"job {job.id} goes {job.src} -> {job.dst}; the link copies "
+                         "between device and host only")
+    if len(job.device_blocks) != len(job.host_slots):
+        raise ValueError(
+            f"{len(job.device_blocks)} device blocks but {len(job.host_slots)} host slots; "
+            "block i goes to slot i, so the lengths must match")
+    if job.layerwise and job.dst is not LOAD:
+        raise ValueError("layerwise applies to loads only (a store copies whole blocks)")
+    for name, ids, limit in (("device block", job.device_blocks, num_blocks),
+                             ("host slot", job.host_slots, num_slots)):
+        if any(i < 0 for i in ids):
+            raise ValueError(f"{name}s have a negative id: {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{name}s repeat an id: {ids}")
+        if ids and max(ids) >= limit:
+            raise ValueError(f"{name} {max(ids)} >= {limit} {name}s")
