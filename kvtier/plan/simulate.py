@@ -17,15 +17,15 @@ link, queued before the restore that needed the room). A turn is admitted, first
 served, only when the running sessions leave room for it (idle ones can always be evicted),
 as the engine waits for device blocks; a turn too large for any room runs alone rather than
 deadlock. With `idle_offload_s` a session idle that long moves to the host tier (a store)
-even without pressure, as the engine's knob does. Prefill takes the planner's `prefill_s` (linear + causal attention over
-the cached prefix), at least one memory-bound forward (weights / HBM bandwidth). Decode is
-memory bound: each output token costs (weights + the session's KV bytes) / HBM bandwidth,
-and runs beside prefills (continuous batching), so it delays the session's next turn, not
-the server. On hardware with `shared_compute` (a CPU) the server instead runs engine
-steps: each step takes every queued prefill plus one row per decoding session and costs a
-fixed part (the measured cost of a step, at least one weight stream) + their prefill time +
-rows x the measured cost of a row, so a short prefill waits for the running step and shares
-it.
+even without pressure, as the engine's knob does. Prefill takes the planner's `prefill_s`
+(linear + causal attention over the cached prefix), at least one memory-bound forward
+(weights / HBM bandwidth). Decode is memory bound: each output token costs (weights + the
+session's KV bytes) / HBM bandwidth, and runs beside prefills (continuous batching), so it
+delays the session's next turn, not the server. On hardware with `shared_compute` (a CPU)
+the server instead runs engine steps: each step takes every queued prefill plus one row per
+decoding session and costs a fixed part (the measured cost of a step, at least one weight
+stream) + their prefill time + rows x the measured cost of a row, so a short prefill waits
+for the running step and shares it.
 
 Each TTFT splits as `kvtier bench` measures it: queue (arrival -> admitted, plus the wait
 for the compute server or the running step once the turn is ready), tier (admitted -> prior

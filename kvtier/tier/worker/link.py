@@ -180,7 +180,7 @@ class TransferEngine:
                     break
                 self._cond.wait(self._wait_slice_locked(job, deadline))
         if arrived is None:  # finished without that layer
-            return job.error is None
+            return not job.error
         if self._cuda and arrived is not True:
             torch.cuda.current_stream(self.layout.device).wait_event(arrived)
         return True
@@ -356,8 +356,8 @@ class TransferEngine:
         else:
             seconds = 0.0 if job.started is None else time.perf_counter() - job.started
         counter.jobs += 1
-        counter.failures += job.error is not None
-        job.result = Result.whole(job.id, job.job.num_blocks, job.error is None, job.bytes,
+        counter.failures += bool(job.error)
+        job.result = Result.whole(job.id, job.job.num_blocks, not job.error, job.bytes,
                                   seconds, job.error, time.perf_counter())
         job.state = JobState.FINISHED
         job.index = None
@@ -385,7 +385,7 @@ class TransferEngine:
             if job.layers_ready <= layer:
                 return None
             return job.events[layer] if self._cuda else True
-        if job.error is not None or job.state is JobState.QUEUED:
+        if job.error or job.state is JobState.QUEUED:
             return None  # failed, or not all issued yet
         return job.events[-1] if self._cuda else (True if job.state is JobState.FINISHED else None)
 

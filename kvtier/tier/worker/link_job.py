@@ -33,7 +33,7 @@ class Copy:
     bytes: int = 0
     layers_ready: int = 0  # layerwise: layers copied (CPU) or issued with an event (CUDA)
     started: float | None = None
-    error: str | None = None
+    error: str = ""  # why it failed ("": it has not)
     result: Result | None = None
     index: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU layerwise index tensors
     ready_event: Any = None  # CUDA: the submitter's stream at submit time
