@@ -151,7 +151,9 @@ class Scheduler:
         table = self.kv.tables[seq.request_id]
         d = len(plan.prefix.block_ids)
         blocks = table.block_ids[d : d + len(plan.load_keys)]
-        job = self.tier.allocated(seq.request_id, plan.match, blocks, layerwise)
+        # After a preemption, what comes back is its own state: a swap-in, not a restore.
+        job = self.tier.allocated(seq.request_id, plan.match, blocks, layerwise,
+                                  swap_in=seq.num_preemptions > 0)
         if job is not None:
             self._start_load(seq, plan, job)
         if plan.swap_state_done and seq.swapped is not None:
@@ -162,12 +164,7 @@ class Scheduler:
         table = self.kv.tables[seq.request_id]
         table.keys.extend(plan.content_keys)
         seq.loading = job
-        if seq.num_preemptions:  # its own state from before it was preempted: a swap-in
-            seq.num_swapped_in_tokens += plan.restored_tokens
-        else:  # its prompt, restored instead of prefilled
-            seq.num_restored_tokens += plan.restored_tokens
-        seq.restore_bytes += len(plan.load_keys) * self.tier.block_bytes
-        seq.lossy = seq.lossy or self.tier.lossy
+        self._outcome(seq)
         self.loading[seq.request_id] = seq
         self._restore_plan[seq.request_id] = plan
 
@@ -177,6 +174,13 @@ class Scheduler:
         self.waiting.popleft()
         self.fetching[seq.request_id] = seq
         seq.timings.enter(Phase.TIER, time.perf_counter())
+
+    def _outcome(self, seq: Sequence) -> None:
+        """What the tier says it restored for `seq` (its own count: swap-ins apart, a failed
+        load taken off), as the sequence's output reports it."""
+        o = self.tier.outcome(seq.request_id)
+        seq.num_restored_tokens, seq.num_swapped_in_tokens = o.restored_tokens, o.swapped_in_tokens
+        seq.restore_bytes, seq.restore_s, seq.lossy = o.nbytes, o.seconds, o.lossy
 
     def apply(self, events: Seq[Event]) -> set[str]:
         """The tier's finished loads and fetches; returns the request ids whose load failed
@@ -212,7 +216,7 @@ class Scheduler:
             self.kv.free(seq.request_id)
             self.namespaces.pop(seq.request_id, None)
             return done.success
-        seq.restore_s += done.seconds
+        self._outcome(seq)
         t = seq.timings
         if not done.success:  # what the load was to bring back is computed again: tier time
             t.state_tokens = max(t.state_tokens, plan.start)
@@ -227,14 +231,7 @@ class Scheduler:
         del table.keys[d:]
         table.num_registered = min(table.num_registered, d)
         seq.num_computed_tokens = plan.prefix.num_tokens
-        if seq.num_preemptions:
-            seq.num_swapped_in_tokens -= plan.restored_tokens
-        else:
-            seq.num_restored_tokens -= plan.restored_tokens
         seq.num_recomputed_tokens += plan.restored_tokens
-        seq.restore_bytes -= len(plan.load_keys) * self.tier.block_bytes
-        if seq.num_restored_tokens == 0:
-            seq.lossy = False
         if seq.residency.restored and seq.num_restored_tokens == 0:
             seq.residency = Residency.RECOMPUTED
         return False

@@ -28,6 +28,7 @@ from kvtier.tier import (
     Faults,
     KVLayout,
     Match,
+    RequestOutcome,
     StoreDone,
     Tier,
     TierStats,
@@ -96,9 +97,12 @@ class TierClient:
         return self.manager.match(request_id, keys, tokens, preempted)
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
-                  layerwise: bool) -> int | None:
+                  layerwise: bool, swap_in: bool) -> int | None:
         exclusive = self.policy.kv_write_policy is WritePolicy.WRITE_BACK
-        return self.manager.allocated(request_id, match, blocks, layerwise, exclusive)
+        return self.manager.allocated(request_id, match, blocks, layerwise, exclusive, swap_in)
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        return self.manager.outcome(request_id)
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         self.manager.finished(request_id, swap_keys)
@@ -278,8 +282,11 @@ class NullTier:
         return NO_MATCH
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
-                  layerwise: bool) -> int | None:
+                  layerwise: bool, swap_in: bool) -> int | None:
         return None
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        return RequestOutcome()
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         pass

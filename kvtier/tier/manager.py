@@ -61,10 +61,12 @@ class RequestOutcome:
     """What the tier did for one request, for every client to report (kv_transfer_params,
     a response's residency) instead of keeping its own copy."""
 
-    restored_tokens: int = 0  # loaded from the tier and landed (a swap-in included)
+    restored_tokens: int = 0  # its prompt's tokens loaded from the tier (and landed)
+    swapped_in_tokens: int = 0  # its own state after a preemption, loaded back
+    nbytes: int = 0  # bytes those loads carried across the host link
     source: Medium | None = None  # where the restored state lived: host, disk or remote
     seconds: float = 0.0  # the loads' time, failed ones included
-    lossy: bool = False  # restored from 8-bit blocks
+    lossy: bool = False  # its prompt was restored from 8-bit blocks
     failed: bool = False  # a load failed: its tokens were computed again
 
 
@@ -77,6 +79,7 @@ class _Pending:
     request_id: str | None = None
     predicted_s: float | None = None
     tokens: int = 0  # a load: the tokens it restores
+    swap: bool = False  # a load: a preempted request's own state coming back
     demote: bool = False
     evict_first: bool = False
     exclusive: bool = False  # a load after which the host copy is dropped (write-back)
@@ -224,19 +227,27 @@ class TierManager:
         return False
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
-                  layerwise: bool = False, exclusive: bool = False) -> int | None:
+                  layerwise: bool = False, exclusive: bool = False, swap_in: bool = False
+                  ) -> int | None:
         """The request is admitted with `device_blocks` for `match.load_keys`: start the
         load and return its job id (None when there is nothing to load). `exclusive`: once
         loaded, the device copy is the one that counts and the host slots are freed (a
-        client that writes blocks back when it evicts them)."""
+        client that writes blocks back when it evicts them); `swap_in`: the request's own
+        state after a preemption, counted apart from its prompt's restore."""
         state = self._requests.setdefault(request_id, _Request())
         state.declined_tokens = 0  # counted once, by this admission
         self.below.release(request_id)  # the load takes pins of its own
         if not match.load_keys:
             return None
-        o = state.outcome
-        state.outcome = replace(o, restored_tokens=o.restored_tokens + match.restored_tokens,
-                                source=match.residency, lossy=o.lossy or self.lossy)
+        o, n = state.outcome, match.restored_tokens
+        if swap_in:
+            state.outcome = replace(o, swapped_in_tokens=o.swapped_in_tokens + n,
+                                    nbytes=o.nbytes + len(match.load_keys) * self.block_bytes,
+                                    lossy=o.lossy or self.lossy)
+        else:
+            state.outcome = replace(o, restored_tokens=o.restored_tokens + n,
+                                    nbytes=o.nbytes + len(match.load_keys) * self.block_bytes,
+                                    source=match.residency, lossy=o.lossy or self.lossy)
         keys = list(match.load_keys)
         slots = self.host.prepare_load(keys)
         self.host.touch(keys)
@@ -244,7 +255,7 @@ class TierManager:
                   device_blocks=tuple(device_blocks), layerwise=layerwise)
         predicted = match.decision.restore_s if match.decision is not None else None
         self._add(_Pending(job, keys, request_id, predicted, match.restored_tokens,
-                           exclusive=exclusive))
+                           swap_in, exclusive=exclusive))
         return job.id
 
     def outcome(self, request_id: str) -> RequestOutcome:
@@ -354,11 +365,8 @@ class TierManager:
             self.stats.failed_loads += 1
         assert pending.request_id is not None
         state = self._requests.get(pending.request_id)
-        if state is not None:  # a miss, never a load: its tokens are computed again
-            o = state.outcome
-            state.outcome = replace(
-                o, seconds=o.seconds + result.seconds, failed=o.failed or not ok,
-                restored_tokens=o.restored_tokens - (0 if ok else pending.tokens))
+        if state is not None:
+            state.outcome = _landed(state.outcome, pending, ok, result.seconds, nbytes)
         return LoadDone(pending.request_id, job.id, ok, len(pending.keys), nbytes,
                         result.seconds, result.finished_at)
 
@@ -366,3 +374,17 @@ class TierManager:
 def job_ids() -> Iterator[int]:
     """The one id counter a manager and its deeper tiers share."""
     return itertools.count()
+
+
+def _landed(o: RequestOutcome, load: _Pending, ok: bool, seconds: float, nbytes: int
+            ) -> RequestOutcome:
+    """A request's outcome once one of its loads landed: a failed one is a miss, never a
+    load (its tokens and bytes come off, and its tokens are computed again)."""
+    o = replace(o, seconds=o.seconds + seconds, failed=o.failed or not ok)
+    if ok:
+        return o
+    if load.swap:
+        o = replace(o, swapped_in_tokens=o.swapped_in_tokens - load.tokens)
+    else:
+        o = replace(o, restored_tokens=o.restored_tokens - load.tokens)
+    return replace(o, nbytes=o.nbytes - nbytes, lossy=o.lossy and o.restored_tokens > 0)

@@ -34,9 +34,14 @@ def test_kvtier_knob_names_pass_through() -> None:
 
 
 def _numeric_knobs() -> list[str]:
-    hints = typing.get_type_hints(TierConfig)
-    return [f.name for f in dataclasses.fields(TierConfig)
-            if set(typing.get_args(hints[f.name]) or (hints[f.name],)) & {int, float}]
+    """The tier's numeric knobs and the engine policies' (refused under vLLM, and a hostile
+    value of one is refused by name before that)."""
+    names = []
+    for cls in (TierConfig, OffloadPolicy):
+        hints = typing.get_type_hints(cls)
+        names += [f.name for f in dataclasses.fields(cls)
+                  if set(typing.get_args(hints[f.name]) or (hints[f.name],)) & {int, float}]
+    return names
 
 
 # What JSON can carry into kv_connector_extra_config: json.loads parses Infinity and NaN.
@@ -56,7 +61,8 @@ def test_every_numeric_knob_refuses_hostile_values_by_name(knob: str, value: Any
 
 def test_numeric_knobs_are_found() -> None:
     assert {"kv_offloading_size", "disk_kv_size", "max_load_tokens", "blocks_per_chunk",
-            "remote_kv_ttl_s", "disk_kv_read_gbps"} <= set(_numeric_knobs())
+            "remote_kv_ttl_s", "disk_kv_read_gbps", "idle_offload_s",
+            "max_offload_tokens"} <= set(_numeric_knobs())
 
 
 @pytest.mark.parametrize(("extra", "message"), [

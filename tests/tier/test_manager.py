@@ -156,7 +156,8 @@ def test_write_down_to_disk_then_fetch_up_then_load() -> None:
     m.allocated("r", again, [5, 6])
     [loaded] = run(m)
     assert loaded.success
-    assert m.outcome("r") == RequestOutcome(2 * BS, Medium.DISK, loaded.seconds, False, False)
+    assert m.outcome("r") == RequestOutcome(restored_tokens=2 * BS, nbytes=2 * NBYTES,
+                                            source=Medium.DISK, seconds=loaded.seconds)
     m.finished("r")
     assert m.outcome("r") == RequestOutcome()  # forgotten with the request
     assert m.host.stats.pinned == 0 and m.below.tier(Medium.DISK).stats.pinned == 0
@@ -234,3 +235,15 @@ def test_a_failed_load_is_in_the_requests_outcome_as_a_miss() -> None:
     assert not failed.success
     outcome = m.outcome("r")
     assert outcome.failed and outcome.restored_tokens == 0 and outcome.seconds == 1e-6
+    assert outcome.nbytes == 0
+
+
+def test_a_swap_in_is_counted_apart_from_a_restore() -> None:
+    m = manager()
+    m.store([7, 8], KEYS[:2], CHUNKS[:2])
+    run(m)
+    m.allocated("r", m.match("r", KEYS[:1], CHUNKS[:1]), [5])
+    m.allocated("r", m.match("r", KEYS[1:2], CHUNKS[1:2]), [6], swap_in=True)
+    run(m)
+    o = m.outcome("r")
+    assert (o.restored_tokens, o.swapped_in_tokens, o.nbytes) == (BS, BS, 2 * NBYTES)
