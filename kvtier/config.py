@@ -54,20 +54,27 @@ class SchedulerConfig:
                             "max_model_len": (2, 2**31)})
 
 
-class WritePolicy(str, enum.Enum):
+class Choice(str, enum.Enum):
+    """A knob with a few named values; prints as the name a user types ("write_back")."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WritePolicy(Choice):
     """When a finished prefix goes down to host: at once, or when the device evicts it."""
 
     WRITE_THROUGH = "write_through"
     WRITE_BACK = "write_back"  # exclusive tiers: a loaded block leaves host, written back later
 
 
-class PreemptionMode(str, enum.Enum):
+class PreemptionMode(Choice):
     AUTO = "auto"  # the planner picks swap or recompute per sequence
     SWAP = "swap"
     RECOMPUTE = "recompute"
 
 
-class LoadMode(str, enum.Enum):
+class LoadMode(Choice):
     ASYNC = "async"  # wait for the whole load before the request's first step
     LAYERWISE = "layerwise"  # overlap the load with compute, layer by layer
 

@@ -1,10 +1,11 @@
 """The FastAPI app: OpenAI-compatible completions and chat, residency in every response.
 
-Every response says where the request's KV lived (`x-kvtier-residency`: resident | host |
-recomputed | new) and `usage` carries OpenAI's `prompt_tokens_details.cached_tokens` plus
-`restored_tokens`, `recomputed_tokens`, `restore_ms`, and the engine's TTFT split
-(`ttft_ms` = `queue_ms` + `tier_ms` + `compute_ms`). Tenants are API keys; each tenant's
-blocks live in its own hash namespace, so one tenant can never hit, or time, another's.
+Every response says where the request's KV lived (`x-kvtier-residency`, a `tier.Residency`:
+new | resident | host | disk | remote | recomputed) and `usage` carries OpenAI's
+`prompt_tokens_details.cached_tokens` plus `restored_tokens`, `recomputed_tokens`,
+`restore_ms`, and the engine's TTFT split (`ttft_ms` = `queue_ms` + `tier_ms` +
+`compute_ms`). Tenants are API keys; each tenant's blocks live in its own hash namespace, so
+one tenant can never hit, or time, another's.
 Bad input is a 4xx in OpenAI's error shape, never a traceback.
 
 This module only assembles: the error shape and who the caller is, then the routes of
