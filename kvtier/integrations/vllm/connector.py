@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.groups import servable_group
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.integrations.vllm.settings import (
@@ -271,17 +272,9 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ConfigError("kvtier's connector runs with tensor_parallel_size=1 and "
                           "pipeline_parallel_size=1 for now; unset the parallel sizes")
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-        raise ConfigError("kvtier's connector needs one KV cache group (a plain decoder); set "
-                          "disable_hybrid_kv_cache_manager=True or use another model")
-    group = kv_cache_config.kv_cache_groups[0]
+    group = servable_group(kv_cache_config.kv_cache_groups if kv_cache_config else None)
+    assert kv_cache_config is not None
     spec = group.kv_cache_spec
-    for name in ("num_kv_heads", "head_size", "dtype"):
-        if not hasattr(spec, name):
-            raise ConfigError(f"kvtier's connector supports full attention KV, not "
-                              f"{type(spec).__name__}")
-    if getattr(spec, "sliding_window", None):
-        raise ConfigError("kvtier's connector does not support sliding-window attention yet")
     if config.kv_offload_dtype:
         raise ConfigError("kv_offload_dtype (8-bit demotion) is kvtier-engine only for now; "
                           "unset it under vLLM")
