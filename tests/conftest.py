@@ -137,11 +137,6 @@ class Armed:
         return self.hook(job, index) if self.armed else None
 
 
-def loads(job: Any, step: int) -> bool:
-    """A link fault hook: every host -> device load fails."""
-    return job.dst.value == "device"
-
-
 def output_key(o: RequestOutput) -> tuple:
     """What two exact runs must agree on: the tokens and every logprob, comparable with ==."""
     return tuple(o.token_ids), tuple(tuple(sorted(d.items())) for d in o.logprobs or [])

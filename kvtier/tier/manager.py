@@ -240,14 +240,11 @@ class TierManager:
         if not match.load_keys:
             return None
         o, n = state.outcome, match.restored_tokens
-        if swap_in:
-            state.outcome = replace(o, swapped_in_tokens=o.swapped_in_tokens + n,
-                                    nbytes=o.nbytes + len(match.load_keys) * self.block_bytes,
-                                    lossy=o.lossy or self.lossy)
-        else:
-            state.outcome = replace(o, restored_tokens=o.restored_tokens + n,
-                                    nbytes=o.nbytes + len(match.load_keys) * self.block_bytes,
-                                    source=match.residency, lossy=o.lossy or self.lossy)
+        o = replace(o, nbytes=o.nbytes + len(match.load_keys) * self.block_bytes,
+                    lossy=o.lossy or self.lossy)
+        state.outcome = (replace(o, swapped_in_tokens=o.swapped_in_tokens + n) if swap_in else
+                         replace(o, restored_tokens=o.restored_tokens + n,
+                                 source=match.residency))
         keys = list(match.load_keys)
         slots = self.host.prepare_load(keys)
         self.host.touch(keys)

@@ -7,7 +7,7 @@ import random
 import time
 
 import pytest
-from conftest import exact_engine, loads
+from conftest import exact_engine
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
@@ -16,6 +16,7 @@ from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
 from kvtier.tier import Faults
+from kvtier.tier.faults import every_load
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 HOST = 0.02  # GiB: 2,500 tiny-model blocks
@@ -109,7 +110,7 @@ def test_recompute_mode_never_swaps(tiny: LoadedModel) -> None:
 def test_failed_loads_become_recomputes_and_are_counted(tiny: LoadedModel) -> None:
     # every host->device load fails (injected): answers are still exact, each failure is
     # counted, and no failed load is reported as a restore
-    e = exact_engine(tiny, Faults(link=loads), num_device_blocks=12, kv_offloading_size=HOST)
+    e = exact_engine(tiny, Faults(link=every_load), num_device_blocks=12, kv_offloading_size=HOST)
     outs = multi_turn(tiny, e, 2, conversations(4, seed=4))
     assert e.tier.manager.stats.failed_loads > 0
     assert all(o.num_restored_tokens == 0 and o.restore_bytes == 0 for o in outs)
@@ -118,7 +119,7 @@ def test_failed_loads_become_recomputes_and_are_counted(tiny: LoadedModel) -> No
 
 
 def test_failed_layerwise_loads_discard_the_step_and_recompute(tiny: LoadedModel) -> None:
-    e = exact_engine(tiny, Faults(link=lambda job, step: loads(job, step) and step == 1),
+    e = exact_engine(tiny, Faults(link=lambda job, step: every_load(job, step) and step == 1),
                      num_device_blocks=12, kv_offloading_size=HOST, load_mode="layerwise")
     multi_turn(tiny, e, 2, conversations(4, seed=5))
     assert e.tier.manager.stats.failed_loads > 0

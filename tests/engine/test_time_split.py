@@ -8,7 +8,7 @@ import random
 import time
 from pathlib import Path
 
-from conftest import Armed, loads
+from conftest import Armed
 
 from kvtier.config import EngineConfig
 from kvtier.engine.faults import EngineFaults
@@ -18,6 +18,7 @@ from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog
 from kvtier.tier import Faults, Job, Medium
+from kvtier.tier.faults import every_load
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 HOST = 0.02  # GiB
@@ -74,7 +75,7 @@ def test_the_parts_add_up_for_every_residency_class(tiny: LoadedModel, tmp_path:
     evict(e, 2)
     outs.append(ask(e, [*a, 7, 8, 9]))  # host
     e.close()
-    failing = Armed(loads)
+    failing = Armed(every_load)
     e = engine(tiny, failing, **knobs)  # a restart: the prefix comes back up from disk
     outs.append(ask(e, [*a, 7, 8, 9, 10]))
     failing.armed = True
