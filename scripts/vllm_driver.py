@@ -7,7 +7,8 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
               "concurrent": [[ids], ...] (sent at once, before "prompts"), "max_num_seqs": 4,
               "salts": [str | null, ...] (a cache_salt per prompt),
-              "kv_bytes_per_block": N, "metrics": true,
+              "kv_bytes_per_block": N (per worker rank), "metrics": true,
+              "tensor_parallel_size": 1, "hybrid": false (true: vLLM decides on its hybrid KV allocator),
               "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
@@ -53,7 +54,8 @@ def main() -> int:
               block_size=block_size, kv_cache_memory_bytes=spec["blocks"] * kv_bytes_per_block,
               max_model_len=spec.get("max_model_len", 2048),
               max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
-              disable_hybrid_kv_cache_manager=True,
+              disable_hybrid_kv_cache_manager=None if spec.get("hybrid") else True,
+              tensor_parallel_size=spec.get("tensor_parallel_size", 1),
               disable_log_stats=not spec.get("metrics", False), **kwargs)
     started = time.perf_counter() - start
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=5,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,27 @@ def smollm2_hf(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     from kvtier.model.loader import load_model
 
     return export_hf(load_model(None), tmp_path_factory.mktemp("hf") / "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Callable[[str], Path]:
+    """A tiny random Hugging Face model of a kind (tests/integrations/tiny_models.py: llama,
+    mistral, gemma3), written once per session by the vLLM environment's python."""
+    import subprocess
+
+    made: dict[str, Path] = {}
+    script = Path(__file__).parent / "integrations" / "tiny_models.py"
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            directory = tmp_path_factory.mktemp("tiny") / kind
+            subprocess.run([str(vllm_python), str(script), kind, str(directory)], check=True,
+                           capture_output=True)
+            made[kind] = directory
+        return made[kind]
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ loads torch.
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, host_slot_count
+from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, check_fits, host_slot_count
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
@@ -82,6 +82,7 @@ __all__ = [
     "build_scheduler_side",
     "build_worker_side",
     "check_bounds",
+    "check_fits",
     "check_types",
     "hash_blocks",
     "host_slot_count",

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
@@ -25,6 +27,32 @@ def host_slot_count(size_gib: float, slot_bytes: int) -> int:
             f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
             f"{slot_bytes} bytes ({slot_bytes / GIB:.6f} GiB); raise it")
     return num_slots
+
+
+def available_ram_bytes() -> int:
+    """RAM the kernel says a new allocation can get without swapping (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the field is in kB
+    except OSError:
+        pass
+    # No /proc (macOS, sandboxes): free physical pages, a lower bound of what is available.
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(size_bytes: float, available_bytes: int | None = None) -> None:
+    """Refuse a pool larger than SAFE_RAM_SHARE of the RAM available now (ConfigError)."""
+    available = available_ram_bytes() if available_bytes is None else available_bytes
+    limit = SAFE_RAM_SHARE * available
+    if size_bytes > limit:
+        raise ConfigError(
+            f"kv_offloading_size={size_bytes / GIB:.2f} GiB exceeds {SAFE_RAM_SHARE:.0%} of "
+            f"available host RAM ({available / GIB:.2f} GiB available, limit "
+            f"{limit / GIB:.2f} GiB); lower kv_offloading_size"
+        )
+
+
 _RATE: Bounds = (0.0, 1e6)  # GB/s; "> 0" is checked with its own message
 _SECONDS: Bounds = (0.0, 1e9)
 # Ranges of the numeric knobs: past these a value is a typo, not a machine.

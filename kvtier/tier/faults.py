@@ -4,8 +4,9 @@
                                   its partial bytes are discarded: a recompute, never a load)
   below  (job, index) -> Reason   that block of a job below host fails with that reason
 `Faults.from_env()` is the one reader of the environment, for tests that drive a real process
-(a server, vLLM): KVTIER_FAULT_LOADS=1 fails every host -> device load. Everything is off by
-default; nothing here runs unless a test asked for it.
+(a server, vLLM): KVTIER_FAULT_LOADS=1 fails every host -> device load; with
+KVTIER_FAULT_RANK=r as well, only in worker rank r (tensor parallel: one rank's failure must be
+a miss on all). Everything is off by default; nothing here runs unless a test asked for it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvtier.tier.keys import Medium
 LinkFault = Callable[[Job, int], bool]
 BelowFault = Callable[[Job, int], Reason | str | None]
 LOADS_ENV = "KVTIER_FAULT_LOADS"
+RANK_ENV = "KVTIER_FAULT_RANK"
 
 
 def no_link_fault(job: Job, step: int) -> bool:
@@ -42,9 +44,13 @@ class Faults:
     below: BelowFault = no_below_fault
 
     @classmethod
-    def from_env(cls) -> Faults:
-        """Off unless a test process set KVTIER_FAULT_LOADS=1 (every load fails)."""
-        return cls(link=every_load) if os.environ.get(LOADS_ENV) == "1" else cls()
+    def from_env(cls, rank: int = 0) -> Faults:
+        """Off unless a test process set KVTIER_FAULT_LOADS=1 (every load fails), and then
+        only in rank KVTIER_FAULT_RANK when that is set."""
+        if os.environ.get(LOADS_ENV) != "1":
+            return cls()
+        only = os.environ.get(RANK_ENV, "").strip()
+        return cls() if only and only != str(rank) else cls(link=every_load)
 
 
 NO_FAULTS = Faults()

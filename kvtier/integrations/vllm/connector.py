@@ -15,6 +15,7 @@ write-on of a finished request's blocks to disk and Redis lands even when nothin
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.groups import servable_group
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
+from kvtier.integrations.vllm.parallel import Split
+from kvtier.integrations.vllm.ranks import RankResults
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.integrations.vllm.settings import (
     ConnectorSettings,
@@ -41,6 +44,7 @@ from kvtier.integrations.vllm.settings import (
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
 from kvtier.tier import (
+    GIB,
     Faults,
     Fingerprint,
     Job,
@@ -48,8 +52,11 @@ from kvtier.tier import (
     SchedulerTier,
     TierConfig,
     build_scheduler_side,
+    check_fits,
     host_slot_count,
 )
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,28 +77,37 @@ class KvtierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once a step: how those jobs ended."""
+    """Worker -> scheduler, once a step: how those jobs ended, per worker rank (vLLM merges
+    the ranks' metadata; the scheduler combines each job's ranks, `RankResults`)."""
 
-    results: tuple[Result, ...] = ()
+    by_rank: tuple[tuple[int, tuple[Result, ...]], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
-        return KvtierWorkerMetadata(self.results + other.results)
+        return KvtierWorkerMetadata(self.by_rank + other.by_rank)
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """What both processes derive alike from vLLM's configuration."""
+    """What both processes derive alike from vLLM's configuration. Under tensor parallelism
+    a block here is one rank's slice of it (its heads, all layers): each rank stores, writes
+    below host and restores only its own slice, in its own storage."""
 
     block_size: int
-    block_nbytes: int  # one block, all layers
+    block_nbytes: int  # one block of one rank, all layers
     expected: ExpectedLayout
-    fingerprint: Fingerprint
+    fingerprint: Fingerprint  # rank-free: the chain every rank's keys come from
+    world_size: int
+    rank: int  # this process's worker rank (0 in the scheduler: it reads rank 0's storage)
+    config: TierConfig  # this rank's share of the sizes, its own disk directory
 
     @property
     def namespace(self) -> bytes:
-        """What every block below host carries: a block of another fingerprint is refused."""
-        return self.fingerprint.namespace()
+        """What this rank's blocks below host carry (and its Redis keys start with): a block
+        of another fingerprint, split or rank is refused."""
+        if self.world_size == 1:
+            return self.fingerprint.namespace()
+        return self.fingerprint.of_shard(f"rank={self.rank}").namespace()
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -101,21 +117,26 @@ class KvtierConnector(KVConnectorBase_V1):
         check_vllm_version(vllm.__version__)
         self.config, self.settings = settings(
             self._kv_transfer_config.kv_connector_extra_config)
-        plan = _plan(vllm_config, kv_cache_config, self.config, self.settings)
+        scheduler = role is KVConnectorRole.SCHEDULER
+        rank = 0 if scheduler else int(vllm_config.parallel_config.rank)
+        plan = _plan(vllm_config, kv_cache_config, self.config, self.settings, rank)
         self.tier: SchedulerTier | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self.rank = rank
+        self._ranks = RankResults(plan.world_size)
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}
         self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
-        if role is KVConnectorRole.SCHEDULER:
-            self.tier = build_scheduler_side(self.config, plan.block_size, plan.block_nbytes,
+        if scheduler:
+            _announce(plan, self.config)
+            self.tier = build_scheduler_side(plan.config, plan.block_size, plan.block_nbytes,
                                              prior(), plan.namespace)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
-                                           plan.fingerprint.namespace)
+                                           plan.fingerprint.namespace, plan.world_size)
         else:
-            self.worker_side = WorkerSide(self.config, plan.expected, plan.namespace,
-                                          plan.block_size, Faults.from_env())
+            self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
+                                          plan.block_size, Faults.from_env(rank))
 
     # -- scheduler side -----------------------------------------------------------------
 
@@ -161,8 +182,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KvtierWorkerMetadata) and meta.results:
-            self.scheduler.apply(meta.results)
+        if isinstance(meta, KvtierWorkerMetadata):
+            for rank, results in meta.by_rank:
+                combined = self._ranks.add(rank, results)
+                if combined:
+                    self.scheduler.apply(combined)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -234,7 +258,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.worker_side is None:
             return None
         results = self.worker_side.take_results()
-        return KvtierWorkerMetadata(tuple(results)) if results else None
+        return KvtierWorkerMetadata(((self.rank, tuple(results)),)) if results else None
 
     def shutdown(self) -> None:
         if self.worker_side is not None:
@@ -266,12 +290,24 @@ def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
     return f"cuda-sm{sm}-{getattr(chosen, 'name', chosen) or 'auto'}"
 
 
+def _announce(plan: _Plan, config: TierConfig) -> None:
+    """Say at start how the tier is sized across ranks (the scheduler's process, once), and
+    refuse a total the host cannot hold (each rank checks only its own share)."""
+    if plan.world_size == 1:
+        return
+    check_fits(config.kv_offloading_size * GIB)
+    disk = (f"; disk_kv_size={config.disk_kv_size:g} GiB in total, one file per rank under "
+            f"{config.disk_kv_path}/rank<r>") if config.disk_enabled else ""
+    log.info("kvtier: %d tensor-parallel ranks: kv_offloading_size=%g GiB in total, %g GiB "
+             "per rank: %d host slots of %d bytes (one rank's heads of a block)%s",
+             plan.world_size, config.kv_offloading_size, plan.config.kv_offloading_size,
+             plan.expected.host_slots, plan.block_nbytes, disk)
+
+
 def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-          config: TierConfig, own: ConnectorSettings) -> _Plan:
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError("kvtier's connector runs with tensor_parallel_size=1 and "
-                          "pipeline_parallel_size=1 for now; unset the parallel sizes")
+          config: TierConfig, own: ConnectorSettings, rank: int) -> _Plan:
+    split = Split.of(vllm_config.parallel_config)
+    share = split.share(config, rank)
     group = servable_group(kv_cache_config.kv_cache_groups if kv_cache_config else None)
     assert kv_cache_config is not None
     spec = group.kv_cache_spec
@@ -284,13 +320,14 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                           f"{platform.device_type} (its paged layout is not supported)")
     block_size = int(spec.block_size)
     # LBHNC (vLLM CPU's only layout; requested on CUDA by get_required_kvcache_layout):
-    # each layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    # each layer [num_blocks, num_kv_heads, block_size, 2 * head_size], the heads this rank
+    # holds (the spec is rank 0's worker's, and every rank holds as many)
     layer_block_shape = (int(spec.num_kv_heads), block_size, 2 * int(spec.head_size))
     layers = len(group.layer_names)
     dtype = spec.dtype
     nbytes = layers * math.prod(layer_block_shape) * torch.empty((), dtype=dtype).element_size()
     expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
-                              host_slot_count(config.kv_offloading_size, nbytes))
+                              host_slot_count(share.kv_offloading_size, nbytes))
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
@@ -302,5 +339,6 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         block_size=block_size,
         tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV
         attention_backend=backend,
+        parallel=split.describe(),
     )
-    return _Plan(block_size, nbytes, expected, fingerprint)
+    return _Plan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share)

@@ -63,10 +63,13 @@ class SchedulerSide:
     """Per-request keys and block ids, joined to one `TierManager`."""
 
     def __init__(self, manager: TierManager, block_size: int,
-                 namespace: Callable[[str], BlockKey]) -> None:
+                 namespace: Callable[[str], BlockKey], world_size: int = 1) -> None:
         self.manager = manager
         self.block_size = block_size
         self.namespace = namespace  # salt (cache_salt, LoRA) -> the chain's seed
+        # tensor-parallel ranks: the tier reckons in one rank's slice of a block, vLLM's
+        # metrics in bytes moved by all ranks
+        self.world_size = world_size
         self.requests: dict[str, _Request] = {}
         self._counts: Counter[str] = Counter()  # since the last take_stats
         self._restoring: dict[int, int] = {}  # load job -> tokens it restores
@@ -169,7 +172,8 @@ class SchedulerSide:
             for label, n in b.misses.items():  # "tier:reason"
                 tier, _, reason = label.partition(":")
                 out[f"miss_blocks|{tier}|{reason}"] = n
-        return out
+        return {key: value * self.world_size if key.partition("|")[0].endswith("_bytes")
+                else value for key, value in out.items()}
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what kvtier did for it (vLLM's kv_transfer_params), as the

@@ -23,21 +23,9 @@ from pathlib import Path
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.tier.config import GIB, SAFE_RAM_SHARE, host_slot_count
+from kvtier.tier.config import GIB, check_fits, host_slot_count
 from kvtier.tier.layout import KVLayout, as_layout
 from kvtier.tier.worker.codec import encoded_nbytes
-
-
-def available_ram_bytes() -> int:
-    """RAM the kernel says a new allocation can get without swapping (MemAvailable)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the field is in kB
-    except OSError:
-        pass
-    # No /proc (macOS, sandboxes): free physical pages, a lower bound of what is available.
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def rss_bytes() -> int:
@@ -144,18 +132,6 @@ def slot_nbytes(block_shape: tuple[int, ...], dtype: torch.dtype, encoding: str 
     if encoding:
         return encoded_nbytes(block_shape, encoding)
     return math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def check_fits(size_bytes: float, available_bytes: int | None = None) -> None:
-    """Refuse a pool larger than SAFE_RAM_SHARE of the RAM available now (ConfigError)."""
-    available = available_ram_bytes() if available_bytes is None else available_bytes
-    limit = SAFE_RAM_SHARE * available
-    if size_bytes > limit:
-        raise ConfigError(
-            f"kv_offloading_size={size_bytes / GIB:.2f} GiB exceeds {SAFE_RAM_SHARE:.0%} of "
-            f"available host RAM ({available / GIB:.2f} GiB available, limit "
-            f"{limit / GIB:.2f} GiB); lower kv_offloading_size"
-        )
 
 
 def _register_pinned(owner: object, tensor: torch.Tensor) -> weakref.finalize:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.tier.config import GIB, available_ram_bytes
 from kvtier.tier.worker import HostPool
-from kvtier.tier.worker.host_pool import GIB, available_ram_bytes
 
 MIB = 1024**2
 
