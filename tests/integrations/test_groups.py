@@ -1,5 +1,6 @@
 """Which KV cache groups the vLLM connector serves, decided at start by the spec's class
-name: plain full attention in one group; everything else refused by name (no vLLM needed:
+name: one group of full or sliding-window attention; everything else refused by name (no
+vLLM needed:
 the check reads only attributes, so vLLM's classes are stood in for by ones of the same
 names)."""
 
@@ -27,8 +28,9 @@ class MLAAttentionSpec(FullAttentionSpec):
     pass
 
 
+@dataclass
 class SlidingWindowSpec(FullAttentionSpec):
-    pass
+    extra_retained_tokens: int = 0
 
 
 class MambaSpec:
@@ -41,9 +43,25 @@ class Group:
     layer_names: tuple[str, ...] = ("model.layers.0.self_attn.attn",)
 
 
-def test_one_plain_full_attention_group_is_served() -> None:
+def test_one_full_attention_group_is_served_with_every_block_kept() -> None:
     group = Group(FullAttentionSpec())
-    assert servable_group([group]) is group
+    assert servable_group([group]).group is group and servable_group([group]).window is None
+    # the hybrid allocator off: a mixed model's window layers as full attention with a window,
+    # every block kept by vLLM, so served as full attention
+    for spec in (FullAttentionSpec(sliding_window=512), FullAttentionSpec(attention_chunk_size=64)):
+        assert servable_group([Group(spec)]).window is None
+
+
+def test_a_sliding_window_group_is_served_within_its_window() -> None:
+    served = servable_group([Group(SlidingWindowSpec(sliding_window=64, block_size=32,
+                                                     extra_retained_tokens=0))])
+    w = served.window
+    assert w is not None and served.describe == "window=64+0"
+    # vLLM's get_num_skipped_tokens(n * 32) // 32: a hit of 10 blocks reads blocks 8 and 9
+    assert [w.first_needed(n) for n in (0, 1, 2, 3, 10)] == [0, 0, 0, 1, 8]
+    kept = servable_group([Group(SlidingWindowSpec(sliding_window=64, block_size=32,
+                                                   extra_retained_tokens=32))]).window
+    assert kept is not None and kept.first_needed(10) == 7
 
 
 @pytest.mark.parametrize(("groups", "message"), [
@@ -53,10 +71,7 @@ def test_one_plain_full_attention_group_is_served() -> None:
      "has 2 (FullAttentionSpec, SlidingWindowSpec)"),
     ([Group(MLAAttentionSpec())], "this model's KV is MLAAttentionSpec (MLA's latent KV)"),
     ([Group(MambaSpec())], "this model's KV is MambaSpec (Mamba/SSM state)"),
-    ([Group(SlidingWindowSpec(sliding_window=4))], "SlidingWindowSpec (sliding-window"),
-    # the hybrid allocator off: a mixed model's window layers as full attention with a window
-    ([Group(FullAttentionSpec(sliding_window=512))], "windowed attention yet (sliding_window=512)"),
-    ([Group(FullAttentionSpec(attention_chunk_size=64))], "(attention_chunk_size=64)"),
+    ([Group(SlidingWindowSpec(sliding_window=0))], "a sliding window of 0 tokens"),
 ])
 def test_every_other_kind_stops_at_start_with_what_was_found(groups: list | None,
                                                             message: str) -> None:

@@ -1,6 +1,7 @@
 """The vLLM connector's scheduler half, driven with plain values (no vLLM, no torch):
 vLLM's block size 4 here, a host of 8 slots, requests as token lists."""
 
+from kvtier.integrations.vllm.groups import Window
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.tier import Fingerprint, Medium, Result, TierConfig
 from kvtier.tier.below import BelowHost
@@ -12,12 +13,12 @@ BS = 4
 FP = Fingerprint("w", "arch", "bf16", BS, "")
 
 
-def side(slots: int = 8) -> SchedulerSide:
+def side(slots: int = 8, window: Window | None = None) -> SchedulerSide:
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
     host, ids = HostTier(slots), job_ids()
     manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
                           BelowHost(host, [], 1000, ids), ids)
-    return SchedulerSide(manager, BS, FP.namespace)
+    return SchedulerSide(manager, BS, FP.namespace, window=window)
 
 
 def finish_jobs(s: SchedulerSide, jobs, ok: bool = True) -> None:
@@ -106,3 +107,50 @@ def test_a_lookup_is_counted_once_however_often_vllm_asks_again() -> None:
     stats = s.take_stats()
     assert stats["lookup_tokens"] == 12  # the 3 full blocks, once
     assert stats.get("declined_tokens", 0) == 0
+
+
+def test_a_window_group_stores_only_the_window_before_the_prompts_hit_boundary() -> None:
+    s = side(window=Window(8, 0, BS))  # the next token reads the last 8 tokens: 2 blocks
+    prompt = list(range(10, 34))  # 24 tokens: its own hit boundary is block 5
+    blocks = list(range(1, 8))
+    assert s.matched_tokens("a", prompt, "", 0, len(prompt)) == 0
+    s.allocated("a", blocks, 0)
+    [store] = s.step([Scheduled("a", blocks, len(prompt))])
+    # a hit of 5 blocks reads blocks 3 and 4 (first_needed(5) = (20 - 8 + 1) // 4 = 3)
+    assert store.device_blocks == (4, 5)
+    finish_jobs(s, [store])
+    s.finished("a")
+    # the same prompt again: vLLM holds nothing; kvtier offers all 5 blocks, loads 2,
+    # into the blocks vLLM allocated after its null block for the 3 it skips
+    assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 20
+    job = s.allocated("b", [0, 0, 0, 11, 12, 13, 14], 20)
+    [load] = s.step([Scheduled("b", [0, 0, 0, 11, 12, 13, 14], 24)])
+    assert load.id == job and load.device_blocks == (11, 12)
+    finish_jobs(s, [load])
+    assert s.take_invalid() == set()
+
+
+def test_a_window_vllm_allocated_otherwise_is_recomputed_not_read() -> None:
+    s = side(window=Window(8, 0, BS))
+    prompt = list(range(10, 34))
+    serve_window = [Scheduled("a", list(range(1, 8)), len(prompt))]
+    s.matched_tokens("a", prompt, "", 0, len(prompt))
+    s.allocated("a", list(range(1, 8)), 0)
+    finish_jobs(s, s.step(serve_window))
+    s.finished("a")
+    assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 20
+    # no nulls where the rule puts them: nothing is loaded, every block vLLM thinks restored
+    # is reported as a load error, so vLLM recomputes them
+    assert s.allocated("b", [21, 22, 23, 24, 25, 26, 27], 20) is None
+    assert s.take_invalid() == {21, 22, 23, 24, 25}
+
+
+def test_a_window_only_partly_held_is_not_offered() -> None:
+    s = side(window=Window(8, 0, BS))
+    prompt = list(range(10, 34))
+    s.matched_tokens("a", prompt, "", 0, len(prompt))
+    s.allocated("a", list(range(1, 8)), 0)
+    [store] = s.step([Scheduled("a", list(range(1, 8)), len(prompt))])
+    finish_jobs(s, [store], ok=False)  # the window never reached host
+    s.finished("a")
+    assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 0

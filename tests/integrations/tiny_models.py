@@ -48,11 +48,13 @@ def config(kind: str) -> Any:
                                 num_key_value_heads=KV_HEADS[kind], sliding_window=WINDOW,
                                 **common)
     if kind == "gemma3":
-        # layers 0-4 windowed, layer 5 global (Gemma 3's pattern of 6)
+        # layers 0-4 windowed, layer 5 global (Gemma 3's pattern of 6); untied, since its
+        # scaled embedding tied to the head answers one token whatever the context
         return tf.Gemma3TextConfig(num_hidden_layers=LAYERS[kind],
                                    num_key_value_heads=KV_HEADS[kind],
                                    sliding_window=WINDOW, sliding_window_pattern=6,
-                                   query_pre_attn_scalar=HEAD_DIM, **common)
+                                   query_pre_attn_scalar=HEAD_DIM,
+                                   **{**common, "tie_word_embeddings": False})
     raise SystemExit(f"unknown tiny model kind {kind!r}: llama, mistral or gemma3")
 
 
@@ -65,6 +67,11 @@ def write(kind: str, directory: Path) -> Path:
     model_cls = tf.Gemma3ForCausalLM if kind == "gemma3" else tf.AutoModelForCausalLM
     model = model_cls.from_config(cfg) if model_cls is tf.AutoModelForCausalLM \
         else model_cls(cfg)
+    if kind == "gemma3":
+        with torch.no_grad():  # Gemma's norms start at a flat 1: drawn, so context shows
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 1.0)
     model.to(torch.float32).save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.groups import servable_group
+from kvtier.integrations.vllm.groups import Window, servable_group
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
 from kvtier.integrations.vllm.parallel import Split
 from kvtier.integrations.vllm.ranks import RankResults
@@ -70,9 +70,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: the jobs to run around this forward pass."""
+    """Scheduler -> worker, once a step: the jobs to run around this forward pass, and the
+    device blocks vLLM must recompute though it believes them restored (fail closed)."""
 
     jobs: tuple[Job, ...] = ()
+    invalid: tuple[int, ...] = ()
 
 
 @dataclass
@@ -100,6 +102,7 @@ class _Plan:
     world_size: int
     rank: int  # this process's worker rank (0 in the scheduler: it reads rank 0's storage)
     config: TierConfig  # this rank's share of the sizes, its own disk directory
+    window: Window | None  # a sliding-window group's reach (None: every block is kept)
 
     @property
     def namespace(self) -> bytes:
@@ -133,7 +136,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self.tier = build_scheduler_side(plan.config, plan.block_size, plan.block_nbytes,
                                              prior(), plan.namespace)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
-                                           plan.fingerprint.namespace, plan.world_size)
+                                           plan.fingerprint.namespace, plan.world_size,
+                                           plan.window)
         else:
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
                                           plan.block_size, Faults.from_env(rank))
@@ -150,7 +154,7 @@ class KvtierConnector(KVConnectorBase_V1):
             return 0, False  # a LoRA adapter whose bytes kvtier cannot see: never cached
         self._requests[request.request_id] = request
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, salt,
-                                          num_computed_tokens)
+                                          num_computed_tokens, request.num_prompt_tokens)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -177,7 +181,8 @@ class KvtierConnector(KVConnectorBase_V1):
         scheduled = [Scheduled(rid, self._blocks[rid], self._requests[rid].num_computed_tokens + n)
                      for rid, n in scheduler_output.num_scheduled_tokens.items()
                      if rid in self._requests and rid in self._blocks]
-        return KvtierMetadata(tuple(self.scheduler.step(scheduled)))
+        jobs = tuple(self.scheduler.step(scheduled))
+        return KvtierMetadata(jobs, tuple(sorted(self.scheduler.take_invalid())))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -235,7 +240,7 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
         if isinstance(meta, KvtierMetadata):
-            self.worker_side.load(meta.jobs)
+            self.worker_side.load(meta.jobs, meta.invalid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -308,8 +313,9 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
           config: TierConfig, own: ConnectorSettings, rank: int) -> _Plan:
     split = Split.of(vllm_config.parallel_config)
     share = split.share(config, rank)
-    group = servable_group(kv_cache_config.kv_cache_groups if kv_cache_config else None)
+    served = servable_group(kv_cache_config.kv_cache_groups if kv_cache_config else None)
     assert kv_cache_config is not None
+    group = served.group
     spec = group.kv_cache_spec
     if config.kv_offload_dtype:
         raise ConfigError("kv_offload_dtype (8-bit demotion) is kvtier-engine only for now; "
@@ -322,7 +328,8 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     # LBHNC (vLLM CPU's only layout; requested on CUDA by get_required_kvcache_layout):
     # each layer [num_blocks, num_kv_heads, block_size, 2 * head_size], the heads this rank
     # holds (the spec is rank 0's worker's, and every rank holds as many)
-    layer_block_shape = (int(spec.num_kv_heads), block_size, 2 * int(spec.head_size))
+    width = int(spec.head_size) + int(getattr(spec, "head_size_v", None) or spec.head_size)
+    layer_block_shape = (int(spec.num_kv_heads), block_size, width)
     layers = len(group.layer_names)
     dtype = spec.dtype
     nbytes = layers * math.prod(layer_block_shape) * torch.empty((), dtype=dtype).element_size()
@@ -331,6 +338,8 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
+    if served.describe:
+        backend += f"-{served.describe}"
     fingerprint = Fingerprint(
         weights_digest=weights_identity(model.model, model.revision,
                                         pinned=own.model_identity),
@@ -341,4 +350,5 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         attention_backend=backend,
         parallel=split.describe(),
     )
-    return _Plan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share)
+    return _Plan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share,
+                 served.window)

@@ -110,9 +110,11 @@ class WorkerSide:
                               f"scheduler planned {self.expected.host_slots}; refusing to run")
         self.worker = worker
 
-    def load(self, jobs: Sequence[Job]) -> None:
+    def load(self, jobs: Sequence[Job], invalid: Sequence[int] = ()) -> None:
         """Host -> device jobs, complete before the forward pass reads the blocks; jobs
-        below host start on the I/O thread (fetches ahead of writes)."""
+        below host start on the I/O thread (fetches ahead of writes). `invalid`: blocks the
+        scheduler side did not load though vLLM counts them restored: load errors."""
+        self._load_errors.update(invalid)
         self._run([j for j in jobs if j.dst is Medium.DEVICE])
         below = [j for j in jobs if j.below_host]
         if self.worker is None:  # never registered: every job fails, nothing is served

@@ -1,0 +1,75 @@
+"""kvtier under vLLM with sliding-window models (tiny random models, vLLM's engine in the
+driver's process): a Mistral-style model (every layer windowed: one SlidingWindowSpec group,
+vLLM drops blocks that leave the window) and a Gemma 3 text model with vLLM's hybrid
+allocator off (its window layers in one full-attention group, every block kept). The
+reference is vLLM's own prefix hit of the same prompt in the same run."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_models import BLOCK_SIZE, VOCAB, WINDOW, kv_bytes_per_block
+from vllm_run import ONE_PROCESS, parse, run_vllm
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = 10 * BLOCK_SIZE
+FULL = PROMPT - BLOCK_SIZE  # vLLM computes the last block again
+HOST = {"kv_offloading_size": 0.02}
+
+
+def prompts(n_others: int) -> dict[str, list[int]]:
+    rng = random.Random(0)
+    a = [rng.randrange(10, VOCAB) for _ in range(PROMPT)]
+    out = {"a": a}
+    for i in range(n_others):
+        out[f"x{i}"] = [rng.randrange(10, VOCAB) for _ in range(PROMPT)]
+    late = PROMPT - 20  # inside the last window: a windowed model reads it
+    out["a'"] = [*a[:late], a[late] + 1, *a[late + 1:]]
+    return out
+
+
+def serve(python: Path, model: Path, kind: str, n_others: int, blocks: int,
+          **spec: Any) -> dict[str, Any]:
+    p = prompts(n_others)
+    names = ["a", "a", *(f"x{i}" for i in range(n_others)), "a", "a'"]
+    return parse(run_vllm(python, model, {
+        "connector": HOST, "blocks": blocks, "prompts": [p[n] for n in names],
+        "block_size": BLOCK_SIZE, "kv_bytes_per_block": kv_bytes_per_block(kind),
+        "max_model_len": PROMPT + 3 * BLOCK_SIZE, "metrics": True, **spec},
+        env=ONE_PROCESS).stdout)
+
+
+def check_exact_restore(run: dict[str, Any], restored: int) -> None:
+    r = run["results"]
+    ref, again, changed = r[1], r[-2], r[-1]
+    assert ref["cached"] == FULL and ref["kv_transfer_params"]["kvtier_restored_tokens"] == 0
+    assert again["kv_transfer_params"]["kvtier_residency"] == "host"
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == restored
+    assert again["cached"] == FULL  # vLLM's own copy was evicted: all of it from kvtier
+    assert again["tokens"] == ref["tokens"] and again["logprobs"] == ref["logprobs"]
+    assert changed["tokens"] != ref["tokens"]  # the model reads its context
+
+
+def test_mistral_style_window_restores_only_the_window_exactly(
+        vllm_python: Path, tiny_hf: Callable[[str], Path]) -> None:
+    # every layer windowed: vLLM keeps ~3 blocks a request, so six others evict A's window
+    run = serve(vllm_python, tiny_hf("mistral"), "mistral", n_others=6, blocks=16)
+    window_blocks = WINDOW // BLOCK_SIZE
+    check_exact_restore(run, window_blocks * BLOCK_SIZE)  # only the window was loaded
+    m = run["metrics"]
+    # stored per prompt: its window before its hit boundary, not its 9 full blocks
+    assert m["vllm:kvtier_stored_blocks"] <= window_blocks * 8
+    assert m["vllm:kvtier_restore_bytes"] == window_blocks * kv_bytes_per_block("mistral")
+
+
+def test_gemma3_with_the_hybrid_allocator_off_is_served_as_full_attention(
+        vllm_python: Path, tiny_hf: Callable[[str], Path]) -> None:
+    run = serve(vllm_python, tiny_hf("gemma3"), "gemma3", n_others=3, blocks=24)
+    check_exact_restore(run, FULL)
+    # every full block: all 10 of A and the three others, and A' from its changed block on
+    assert run["metrics"]["vllm:kvtier_stored_blocks"] == 10 * 4 + 1
