@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.groups import servable_group
+from kvtier.integrations.vllm.groups import servable_groups
 
 
 @dataclass
@@ -45,38 +45,49 @@ class Group:
 
 def test_one_full_attention_group_is_served_with_every_block_kept() -> None:
     group = Group(FullAttentionSpec())
-    assert servable_group([group]).group is group and servable_group([group]).window is None
+    [served] = servable_groups([group])
+    assert served.group is group and served.window is None
     # the hybrid allocator off: a mixed model's window layers as full attention with a window,
     # every block kept by vLLM, so served as full attention
     for spec in (FullAttentionSpec(sliding_window=512), FullAttentionSpec(attention_chunk_size=64)):
-        assert servable_group([Group(spec)]).window is None
+        assert servable_groups([Group(spec)])[0].window is None
 
 
 def test_a_sliding_window_group_is_served_within_its_window() -> None:
-    served = servable_group([Group(SlidingWindowSpec(sliding_window=64, block_size=32,
-                                                     extra_retained_tokens=0))])
+    [served] = servable_groups([Group(SlidingWindowSpec(sliding_window=64, block_size=32,
+                                                        extra_retained_tokens=0))])
     w = served.window
-    assert w is not None and served.describe == "window=64+0"
+    assert w is not None
+    assert served.describe == "SlidingWindowSpec:window=64+0:model.layers.0.self_attn.attn"
     # vLLM's get_num_skipped_tokens(n * 32) // 32: a hit of 10 blocks reads blocks 8 and 9
     assert [w.first_needed(n) for n in (0, 1, 2, 3, 10)] == [0, 0, 0, 1, 8]
-    kept = servable_group([Group(SlidingWindowSpec(sliding_window=64, block_size=32,
-                                                   extra_retained_tokens=32))]).window
+    kept = servable_groups([Group(SlidingWindowSpec(sliding_window=64, block_size=32,
+                                                    extra_retained_tokens=32))])[0].window
     assert kept is not None and kept.first_needed(10) == 7
 
 
 @pytest.mark.parametrize(("groups", "message"), [
     ([], "no KV cache groups"),
     (None, "no KV cache groups"),
-    ([Group(FullAttentionSpec()), Group(SlidingWindowSpec(sliding_window=4))],
-     "has 2 (FullAttentionSpec, SlidingWindowSpec)"),
-    ([Group(MLAAttentionSpec())], "this model's KV is MLAAttentionSpec (MLA's latent KV)"),
-    ([Group(MambaSpec())], "this model's KV is MambaSpec (Mamba/SSM state)"),
+    ([Group(FullAttentionSpec()), Group(SlidingWindowSpec(sliding_window=4, head_size=16))],
+     "whose blocks have one shape; this model's groups have 2"),
+    ([Group(MLAAttentionSpec())], "is MLAAttentionSpec (MLA's latent KV)"),
+    ([Group(FullAttentionSpec()), Group(MambaSpec())], "is MambaSpec (Mamba/SSM state)"),
     ([Group(SlidingWindowSpec(sliding_window=0))], "a sliding window of 0 tokens"),
 ])
 def test_every_other_kind_stops_at_start_with_what_was_found(groups: list | None,
                                                             message: str) -> None:
     with pytest.raises(ConfigError) as e:
-        servable_group(groups)
+        servable_groups(groups)
     assert message in str(e.value)
     if groups:
         assert "unset kv_transfer_config" in str(e.value)
+
+
+def test_hybrid_groups_of_one_block_shape_are_served_each_with_its_window() -> None:
+    full = Group(FullAttentionSpec(block_size=32), ("model.layers.5.self_attn.attn",))
+    windows = [Group(SlidingWindowSpec(sliding_window=64, block_size=32),
+                     (f"model.layers.{i}.self_attn.attn",)) for i in range(5)]
+    served = servable_groups([full, *windows])
+    assert [s.window is None for s in served] == [True] + [False] * 5
+    assert len({s.describe for s in served}) == 6  # each group named apart in the fingerprint

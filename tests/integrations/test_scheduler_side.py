@@ -13,12 +13,12 @@ BS = 4
 FP = Fingerprint("w", "arch", "bf16", BS, "")
 
 
-def side(slots: int = 8, window: Window | None = None) -> SchedulerSide:
+def side(slots: int = 8, windows: tuple[Window | None, ...] = (None,)) -> SchedulerSide:
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
     host, ids = HostTier(slots), job_ids()
     manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
                           BelowHost(host, [], 1000, ids), ids)
-    return SchedulerSide(manager, BS, FP.namespace, window=window)
+    return SchedulerSide(manager, BS, FP.namespace, windows=windows)
 
 
 def finish_jobs(s: SchedulerSide, jobs, ok: bool = True) -> None:
@@ -29,8 +29,8 @@ def serve(s: SchedulerSide, rid: str, prompt: list[int], salt: str = "",
           ok: bool = True) -> None:
     """One request with no hit: computed in one step, its full blocks stored, finished."""
     s.matched_tokens(rid, prompt, salt, 0)
-    s.allocated(rid, [1, 2, 3, 4], 0)
-    finish_jobs(s, s.step([Scheduled(rid, [1, 2, 3, 4], len(prompt))]), ok=ok)
+    s.allocated(rid, [[1, 2, 3, 4]], 0)
+    finish_jobs(s, s.step([Scheduled(rid, [[1, 2, 3, 4]], len(prompt))]), ok=ok)
     s.finished(rid)
 
 
@@ -38,22 +38,22 @@ def test_a_prompt_is_stored_as_it_is_computed_then_restored_for_the_next_request
     s = side()
     prompt = list(range(10, 24))  # 14 tokens: 3 full blocks and a partial one
     assert s.matched_tokens("a", prompt, "", 0) == 0
-    assert s.allocated("a", [1, 2, 3, 4], 0) is None
+    assert s.allocated("a", [[1, 2, 3, 4]], 0) is None
     # step 1 computes 8 tokens (chunked prefill): blocks 0 and 1 become full -> stored
-    [store] = s.step([Scheduled("a", [1, 2, 3, 4], 8)])
+    [store] = s.step([Scheduled("a", [[1, 2, 3, 4]], 8)])
     assert (store.src, store.dst, store.device_blocks) == (Medium.DEVICE, Medium.HOST, (1, 2))
     finish_jobs(s, [store])
     # step 2 computes the rest: block 2 becomes full; the partial block 3 is never stored
-    [store] = s.step([Scheduled("a", [1, 2, 3, 4], 14)])
+    [store] = s.step([Scheduled("a", [[1, 2, 3, 4]], 14)])
     assert store.device_blocks == (3,)
     finish_jobs(s, [store])
     assert s.finished("a")["kvtier_restored_tokens"] == 0
     # b has the same prompt plus a follow-up: vLLM's own cache has block 0 (4 tokens)
     follow = [*prompt, 99, 98]  # 16 tokens: 3 full blocks may load, at least one token computes
     assert s.matched_tokens("b", follow, "", 4) == 8  # blocks 1 and 2
-    job = s.allocated("b", [7, 8, 9, 10], 8)
+    job = s.allocated("b", [[7, 8, 9, 10]], 8)
     # this step loads blocks 1-2 and computes the rest, which fills block 3: it is stored
-    load, store = s.step([Scheduled("b", [7, 8, 9, 10], 16)])
+    load, store = s.step([Scheduled("b", [[7, 8, 9, 10]], 16)])
     assert load.id == job and load.device_blocks == (8, 9) and load.dst is Medium.DEVICE
     assert store.device_blocks == (10,) and store.dst is Medium.HOST
     finish_jobs(s, [load, store])
@@ -77,8 +77,8 @@ def test_a_failed_store_is_not_a_hit_and_a_failed_load_is_not_counted_restored()
     assert s.matched_tokens("b", prompt, "", 0) == 0
     serve(s, "b", prompt)
     assert s.matched_tokens("c", prompt, "", 0) == 12
-    s.allocated("c", [5, 6, 7, 8], 12)
-    finish_jobs(s, s.step([Scheduled("c", [5, 6, 7, 8], 13)]), ok=False)
+    s.allocated("c", [[5, 6, 7, 8]], 12)
+    finish_jobs(s, s.step([Scheduled("c", [[5, 6, 7, 8]], 13)]), ok=False)
     assert s.finished("c")["kvtier_restored_tokens"] == 0
     assert s.manager.host.stats.pinned == 0
 
@@ -88,7 +88,7 @@ def test_vllm_taking_less_than_offered_loads_nothing() -> None:
     prompt = list(range(70, 83))
     serve(s, "a", prompt)
     assert s.matched_tokens("b", prompt, "", 0) == 12
-    assert s.allocated("b", [5, 6, 7, 8], 4) is None
+    assert s.allocated("b", [[5, 6, 7, 8]], 4) is None
     assert s.manager.host.stats.pinned == 0
 
 
@@ -100,22 +100,22 @@ def test_a_lookup_is_counted_once_however_often_vllm_asks_again() -> None:
     # "b" waits for device room: vLLM asks again every step until it can allocate
     for _ in range(5):
         assert s.matched_tokens("b", prompt, "", 0) == 12
-    s.allocated("b", [5, 6, 7, 8], 12)
+    s.allocated("b", [[5, 6, 7, 8]], 12)
     for _ in range(3):  # preempted and rescheduled: asked again, allocated again
         s.matched_tokens("b", prompt, "", 0)
-        s.allocated("b", [5, 6, 7, 8], 0)
+        s.allocated("b", [[5, 6, 7, 8]], 0)
     stats = s.take_stats()
     assert stats["lookup_tokens"] == 12  # the 3 full blocks, once
     assert stats.get("declined_tokens", 0) == 0
 
 
 def test_a_window_group_stores_only_the_window_before_the_prompts_hit_boundary() -> None:
-    s = side(window=Window(8, 0, BS))  # the next token reads the last 8 tokens: 2 blocks
+    s = side(windows=(Window(8, 0, BS),))  # the next token reads the last 8 tokens: 2 blocks
     prompt = list(range(10, 34))  # 24 tokens: its own hit boundary is block 5
     blocks = list(range(1, 8))
     assert s.matched_tokens("a", prompt, "", 0, len(prompt)) == 0
-    s.allocated("a", blocks, 0)
-    [store] = s.step([Scheduled("a", blocks, len(prompt))])
+    s.allocated("a", [blocks], 0)
+    [store] = s.step([Scheduled("a", [blocks], len(prompt))])
     # a hit of 5 blocks reads blocks 3 and 4 (first_needed(5) = (20 - 8 + 1) // 4 = 3)
     assert store.device_blocks == (4, 5)
     finish_jobs(s, [store])
@@ -123,34 +123,34 @@ def test_a_window_group_stores_only_the_window_before_the_prompts_hit_boundary()
     # the same prompt again: vLLM holds nothing; kvtier offers all 5 blocks, loads 2,
     # into the blocks vLLM allocated after its null block for the 3 it skips
     assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 20
-    job = s.allocated("b", [0, 0, 0, 11, 12, 13, 14], 20)
-    [load] = s.step([Scheduled("b", [0, 0, 0, 11, 12, 13, 14], 24)])
+    job = s.allocated("b", [[0, 0, 0, 11, 12, 13, 14]], 20)
+    [load] = s.step([Scheduled("b", [[0, 0, 0, 11, 12, 13, 14]], 24)])
     assert load.id == job and load.device_blocks == (11, 12)
     finish_jobs(s, [load])
     assert s.take_invalid() == set()
 
 
 def test_a_window_vllm_allocated_otherwise_is_recomputed_not_read() -> None:
-    s = side(window=Window(8, 0, BS))
+    s = side(windows=(Window(8, 0, BS),))
     prompt = list(range(10, 34))
-    serve_window = [Scheduled("a", list(range(1, 8)), len(prompt))]
+    serve_window = [Scheduled("a", [list(range(1, 8))], len(prompt))]
     s.matched_tokens("a", prompt, "", 0, len(prompt))
-    s.allocated("a", list(range(1, 8)), 0)
+    s.allocated("a", [list(range(1, 8))], 0)
     finish_jobs(s, s.step(serve_window))
     s.finished("a")
     assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 20
     # no nulls where the rule puts them: nothing is loaded, every block vLLM thinks restored
     # is reported as a load error, so vLLM recomputes them
-    assert s.allocated("b", [21, 22, 23, 24, 25, 26, 27], 20) is None
+    assert s.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], 20) is None
     assert s.take_invalid() == {21, 22, 23, 24, 25}
 
 
 def test_a_window_only_partly_held_is_not_offered() -> None:
-    s = side(window=Window(8, 0, BS))
+    s = side(windows=(Window(8, 0, BS),))
     prompt = list(range(10, 34))
     s.matched_tokens("a", prompt, "", 0, len(prompt))
-    s.allocated("a", list(range(1, 8)), 0)
-    [store] = s.step([Scheduled("a", list(range(1, 8)), len(prompt))])
+    s.allocated("a", [list(range(1, 8))], 0)
+    [store] = s.step([Scheduled("a", [list(range(1, 8))], len(prompt))])
     finish_jobs(s, [store], ok=False)  # the window never reached host
     s.finished("a")
     assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 0

@@ -34,7 +34,8 @@ class Half:
         torch.manual_seed(seed)
         self.kv = torch.randn(LAYERS, BLOCKS, *SHAPE).to(dtype)  # one storage, as vLLM CPU
         fp = Fingerprint(weights, "arch", str(dtype), BS, "")
-        expected = ExpectedLayout(LAYERS, BLOCKS, SHAPE, dtype,
+        expected = ExpectedLayout(tuple(f"model.layers.{i}.self_attn.attn"
+                                        for i in range(LAYERS)), BLOCKS, SHAPE, dtype,
                                   host_slot_count(config.kv_offloading_size, nbytes(dtype)))
         # vLLM builds the worker first (register_kv_caches), then the scheduler
         self.worker = WorkerSide(config, expected, fp.namespace(), BS)
@@ -73,8 +74,8 @@ class Half:
     def serve(self, rid: str, prompt: list[int], blocks: list[int]) -> dict[str, Any]:
         """One request computed in one step (its full blocks stored), finished, settled."""
         external = self.matched(rid, prompt)
-        self.side.allocated(rid, blocks, external)
-        self.step([Scheduled(rid, blocks, len(prompt))])
+        self.side.allocated(rid, [blocks], external)
+        self.step([Scheduled(rid, [blocks], len(prompt))])
         params = self.side.finished(rid)
         self.settle()
         return params
@@ -108,8 +109,8 @@ def test_a_restarted_process_restores_the_prefix_from_disk_exactly(tmp_path: Pat
     original = first_run(config)
     b = Half(config, seed=1)  # other bytes in its KV memory: nothing is left over by chance
     assert b.matched("b", PROMPT) == 12  # fetched disk -> host, verified, then offered
-    b.side.allocated("b", [5, 6, 7, 8], 12)
-    b.step([Scheduled("b", [5, 6, 7, 8], 14)])
+    b.side.allocated("b", [[5, 6, 7, 8]], 12)
+    b.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
     for got, want in zip((b.block(5), b.block(6), b.block(7)), original):
         assert torch.equal(got, want)
     params = b.side.finished("b")
@@ -126,8 +127,8 @@ def test_a_flipped_byte_on_disk_ends_the_prefix_there_and_is_counted(tmp_path: P
     flip_payload_byte(config, nbytes(torch.float32), BS, second)
     b = Half(config, seed=1)
     assert b.matched("b", PROMPT) == 4  # the first block only: a prefix cannot skip one
-    b.side.allocated("b", [5, 6, 7, 8], 4)
-    b.step([Scheduled("b", [5, 6, 7, 8], 14)])
+    b.side.allocated("b", [[5, 6, 7, 8]], 4)
+    b.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
     assert torch.equal(b.block(5), original[0])
     assert b.stats["miss_blocks|disk|checksum"] == 1
     assert b.side.finished("b")["kvtier_restored_tokens"] == 4
@@ -168,8 +169,8 @@ def test_two_processes_share_one_redis(tmp_path: Path, redis_server: Any) -> Non
     assert a.serve("a", PROMPT, [1, 2, 3, 4])["kvtier_restored_tokens"] == 0
     assert a.stats["written_blocks|remote"] == 3
     assert b.matched("b", PROMPT) == 12  # presence asked, then fetched and verified
-    b.side.allocated("b", [5, 6, 7, 8], 12)
-    b.step([Scheduled("b", [5, 6, 7, 8], 14)])
+    b.side.allocated("b", [[5, 6, 7, 8]], 12)
+    b.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
     for i, j in ((1, 5), (2, 6), (3, 7)):
         assert torch.equal(b.block(j), a.block(i))
     assert b.side.finished("b")["kvtier_residency"] == "remote"
@@ -183,8 +184,8 @@ def test_the_disk_file_is_left_whole_when_the_worker_closes_with_writes_queued(
     config = disk(tmp_path)
     a = Half(config)
     a.side.matched_tokens("a", PROMPT, "", 0)
-    a.side.allocated("a", [1, 2, 3, 4], 0)
-    a.step([Scheduled("a", [1, 2, 3, 4], 14)])  # stored on host; the writes are decided
+    a.side.allocated("a", [[1, 2, 3, 4]], 0)
+    a.step([Scheduled("a", [[1, 2, 3, 4]], 14)])  # stored on host; the writes are decided
     a.step()  # ... and handed to the worker's I/O thread, then the process stops at once
     a.close()
     assert sorted(blocks_on_disk(config, nbytes(torch.float32), BS)) == sorted(

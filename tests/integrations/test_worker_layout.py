@@ -13,11 +13,12 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.worker_side import ExpectedLayout
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 8, 2, 16, 4
-EXPECTED = ExpectedLayout(LAYERS, BLOCKS, (HEADS, BS, 2 * DIM), torch.float32, 4)
+NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+EXPECTED = ExpectedLayout(NAMES, BLOCKS, (HEADS, BS, 2 * DIM), torch.float32, 4)
 
 
 def names(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(tensors)}
+    return dict(zip(NAMES, tensors))
 
 
 def test_one_allocation_of_lbhnc_layers_is_accepted_as_it_is() -> None:
@@ -61,3 +62,18 @@ def test_on_cuda_layers_allocated_one_by_one_are_accepted() -> None:
     tensors = [torch.randn(BLOCKS, HEADS, BS, 2 * DIM, device="cuda") for _ in range(LAYERS)]
     layout = EXPECTED.check(names(tensors))
     assert layout.is_cuda and layout.layer_view(1).data_ptr() == tensors[1].data_ptr()
+
+
+def test_hybrid_groups_sharing_tensors_are_one_layout_over_the_distinct_ones() -> None:
+    # vLLM's hybrid allocator: two groups of 3 layers; layer i of each group is one tensor
+    kv = torch.randn(LAYERS, BLOCKS, HEADS, BS, 2 * DIM)
+    registered = {**names(list(kv)),
+                  **{f"model.layers.{LAYERS + i}.self_attn.attn": kv[i] for i in range(LAYERS)}}
+    layout = EXPECTED.check(registered)
+    assert layout.num_layers == LAYERS  # each block's bytes once, not once per group
+    foreign = {**registered, "model.layers.9.self_attn.attn": torch.randn(BLOCKS, HEADS, BS,
+                                                                          2 * DIM)}
+    with pytest.raises(ConfigError, match=r"layers\.9\.self_attn\.attn is not one of the shared"):
+        EXPECTED.check(foreign)
+    with pytest.raises(ConfigError, match=r"no KV tensor for model\.layers\.2"):
+        EXPECTED.check({k: v for k, v in registered.items() if k != NAMES[2]})

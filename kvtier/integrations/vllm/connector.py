@@ -27,10 +27,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.groups import Window, servable_group
+from kvtier.integrations.vllm.groups import Window, servable_groups
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
 from kvtier.integrations.vllm.parallel import Split
 from kvtier.integrations.vllm.ranks import RankResults
@@ -102,7 +103,7 @@ class _Plan:
     world_size: int
     rank: int  # this process's worker rank (0 in the scheduler: it reads rank 0's storage)
     config: TierConfig  # this rank's share of the sizes, its own disk directory
-    window: Window | None  # a sliding-window group's reach (None: every block is kept)
+    windows: tuple[Window | None, ...]  # per KV cache group (None: every block is kept)
 
     @property
     def namespace(self) -> bytes:
@@ -113,7 +114,7 @@ class _Plan:
         return self.fingerprint.of_shard(f"rank={self.rank}").namespace()
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -129,7 +130,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.rank = rank
         self._ranks = RankResults(plan.world_size)
         self._requests: dict[str, Request] = {}
-        self._blocks: dict[str, list[int]] = {}
+        self._blocks: dict[str, list[list[int]]] = {}  # per KV cache group
         self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
         if scheduler:
             _announce(plan, self.config)
@@ -137,7 +138,7 @@ class KvtierConnector(KVConnectorBase_V1):
                                              prior(), plan.namespace)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            plan.fingerprint.namespace, plan.world_size,
-                                           plan.window)
+                                           plan.windows)
         else:
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
                                           plan.block_size, Faults.from_env(rank))
@@ -160,7 +161,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if request.request_id in self._requests:
             self._blocks[request.request_id] = block_ids
             self.scheduler.allocated(request.request_id, block_ids, num_external_tokens)
@@ -169,15 +170,16 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._requests:
-                self._blocks[new.req_id] = list(new.block_ids[0])
+                self._blocks[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
             if rid not in self._blocks or new_ids is None:
                 continue
             if rid in cached.resumed_req_ids:
-                self._blocks[rid] = list(new_ids[0])
+                self._blocks[rid] = [list(ids) for ids in new_ids]
             else:
-                self._blocks[rid].extend(new_ids[0])
+                for have, more in zip(self._blocks[rid], new_ids):
+                    have.extend(more)
         scheduled = [Scheduled(rid, self._blocks[rid], self._requests[rid].num_computed_tokens + n)
                      for rid, n in scheduler_output.num_scheduled_tokens.items()
                      if rid in self._requests and rid in self._blocks]
@@ -195,6 +197,12 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Every group's blocks are stored as they fill: nothing is left to copy, so vLLM
+        may free them now."""
         assert self.scheduler is not None
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
@@ -313,10 +321,9 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
           config: TierConfig, own: ConnectorSettings, rank: int) -> _Plan:
     split = Split.of(vllm_config.parallel_config)
     share = split.share(config, rank)
-    served = servable_group(kv_cache_config.kv_cache_groups if kv_cache_config else None)
+    served = servable_groups(kv_cache_config.kv_cache_groups if kv_cache_config else None)
     assert kv_cache_config is not None
-    group = served.group
-    spec = group.kv_cache_spec
+    spec = served[0].group.kv_cache_spec  # every group's blocks have its shape
     if config.kv_offload_dtype:
         raise ConfigError("kv_offload_dtype (8-bit demotion) is kvtier-engine only for now; "
                           "unset it under vLLM")
@@ -326,20 +333,23 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                           f"{platform.device_type} (its paged layout is not supported)")
     block_size = int(spec.block_size)
     # LBHNC (vLLM CPU's only layout; requested on CUDA by get_required_kvcache_layout):
-    # each layer [num_blocks, num_kv_heads, block_size, 2 * head_size], the heads this rank
-    # holds (the spec is rank 0's worker's, and every rank holds as many)
+    # each layer [num_blocks, num_kv_heads, block_size, head_size + head_size_v], the heads
+    # this rank holds (the spec is rank 0's worker's, and every rank holds as many)
     width = int(spec.head_size) + int(getattr(spec, "head_size_v", None) or spec.head_size)
     layer_block_shape = (int(spec.num_kv_heads), block_size, width)
-    layers = len(group.layer_names)
+    # a block spans the largest group's layers: under the hybrid allocator every group's
+    # layer i is one shared tensor (a block id is one group's at a time)
+    layers = tuple(max((g.group for g in served), key=lambda g: len(g.layer_names)).layer_names)
     dtype = spec.dtype
-    nbytes = layers * math.prod(layer_block_shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = len(layers) * math.prod(layer_block_shape) * \
+        torch.empty((), dtype=dtype).element_size()
     expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
                               host_slot_count(share.kv_offloading_size, nbytes))
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
-    if served.describe:
-        backend += f"-{served.describe}"
+    if len(served) > 1 or served[0].window is not None:  # how each group keeps its blocks
+        backend += "-" + "|".join(g.describe for g in served)
     fingerprint = Fingerprint(
         weights_digest=weights_identity(model.model, model.revision,
                                         pinned=own.model_identity),
@@ -351,4 +361,4 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         parallel=split.describe(),
     )
     return _Plan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share,
-                 served.window)
+                 tuple(g.window for g in served))

@@ -1,14 +1,16 @@
 """Which of vLLM's KV cache groups kvtier's connector can serve, decided at start by name.
 
-One group is served: plain full attention (`FullAttentionSpec`, also with `sliding_window` or
+Served: full attention (`FullAttentionSpec`, also with `sliding_window` or
 `attention_chunk_size` set: that is how vLLM keeps a mixed model's window layers with its
-hybrid allocator off, every block kept, so it is served like full attention), or sliding-window
-attention (`SlidingWindowSpec`: vLLM drops a request's blocks once they leave the window, so
-kvtier stores and restores only the window, `Window`). Everything else stops vLLM at start with
-a message naming what was found, never served half: several groups (hybrid models under the
-hybrid allocator), and the kinds of KV kvtier does not lay out (MLA's latent KV, Mamba state,
-cross-attention). Pure Python over vLLM's objects' attributes: no vLLM import, so it is
-tested without vLLM.
+hybrid allocator off, every block kept, so it is served like full attention) and
+sliding-window attention (`SlidingWindowSpec`: vLLM drops a request's blocks once they leave
+the window, so kvtier stores and restores only the window, `Window`), one group or several
+(vLLM's hybrid allocator: each group its own block table over one pool whose per-layer
+tensors the groups share, so every group's block has the same shape). Everything else stops
+vLLM at start with a message naming what was found, never served half: the kinds of KV kvtier
+does not lay out (MLA's latent KV, Mamba state, cross-attention), and groups whose blocks
+differ in shape. Pure Python over vLLM's objects' attributes: no vLLM import, so it is tested
+without vLLM.
 """
 
 from __future__ import annotations
@@ -52,40 +54,55 @@ class Window:
 
 @dataclass(frozen=True)
 class ServedGroup:
-    """The one KV cache group kvtier serves, and its window (None: every block is kept)."""
+    """A KV cache group kvtier serves, and its window (None: every block is kept)."""
 
     group: Any
     window: Window | None = None
 
     @property
     def describe(self) -> str:
-        """What the fingerprint names beyond the model's config: how blocks are kept."""
+        """What the fingerprint names of it: its kind, how its blocks are kept, its layers."""
         w = self.window
-        return "" if w is None else f"window={w.tokens}+{w.extra_retained}"
+        kept = "all" if w is None else f"window={w.tokens}+{w.extra_retained}"
+        kind = type(self.group.kv_cache_spec).__name__
+        return f"{kind}:{kept}:{','.join(self.group.layer_names)}"
 
 
-def servable_group(groups: Sequence[Any] | None) -> ServedGroup:
-    """The one KV cache group kvtier serves; ConfigError naming what vLLM planned otherwise."""
+def servable_groups(groups: Sequence[Any] | None) -> tuple[ServedGroup, ...]:
+    """The KV cache groups kvtier serves; ConfigError naming what vLLM planned otherwise."""
     if not groups:
         raise ConfigError("vLLM planned no KV cache groups; kvtier's connector has nothing to "
                           "serve")
-    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) != 1:
+    served = tuple(_served(g) for g in groups)
+    shapes = {_block_shape(g.kv_cache_spec) for g in groups}
+    if len(shapes) != 1:
         raise ConfigError(
-            f"kvtier's connector serves models with one KV cache group for now; this one has "
-            f"{len(groups)} ({', '.join(kinds)}) under vLLM's hybrid KV cache allocator: start "
-            f"vLLM with --disable-hybrid-kv-cache-manager (kvtier then serves its window "
-            f"layers as full attention), or {RUN_WITHOUT}")
-    spec, kind = groups[0].kv_cache_spec, kinds[0]
+            f"kvtier's connector serves KV cache groups whose blocks have one shape; this "
+            f"model's groups have {len(shapes)} ({'; '.join(map(str, sorted(shapes, key=str)))}): "
+            f"start vLLM with --disable-hybrid-kv-cache-manager, or {RUN_WITHOUT}")
+    return served
+
+
+def _block_shape(spec: Any) -> tuple[Any, ...]:
+    """(block size, KV heads, head sizes, dtype): what one block of one layer holds."""
+    return (int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size),
+            int(getattr(spec, "head_size_v", None) or spec.head_size), str(spec.dtype))
+
+
+def _served(group: Any) -> ServedGroup:
+    spec = group.kv_cache_spec
+    kind = type(spec).__name__
     if kind not in SERVED:
         held = f" ({KNOWN[kind]})" if kind in KNOWN else ""
         raise ConfigError(f"kvtier's connector serves full and sliding-window attention; "
-                          f"this model's KV is {kind}{held}; {RUN_WITHOUT}")
+                          f"this model's KV cache group of {len(group.layer_names)} layer(s) "
+                          f"({', '.join(group.layer_names[:3])}) is {kind}{held}; "
+                          f"{RUN_WITHOUT}")
     if kind == FULL:
-        return ServedGroup(groups[0])
+        return ServedGroup(group)
     tokens = int(spec.sliding_window)
     if tokens < 1:
         raise ConfigError(f"vLLM planned a sliding window of {tokens} tokens; kvtier serves "
                           f"windows of at least one token; {RUN_WITHOUT}")
     extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
-    return ServedGroup(groups[0], Window(tokens, extra, int(spec.block_size)))
+    return ServedGroup(group, Window(tokens, extra, int(spec.block_size)))

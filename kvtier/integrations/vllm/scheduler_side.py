@@ -18,16 +18,21 @@ is promised to vLLM, so a corrupt or vanished block is a miss, never a load erro
 Only whole blocks are keyed, never a request's last partial block; vLLM's null block 0 is
 never stored or loaded.
 
-A sliding-window group (`Window`) keeps only the blocks the next token still reads: kvtier
-stores, per request, the window before the prompt's own hit boundary (so stored blocks per
-request are bounded by the window, not the prompt), and a hit of n blocks loads only
-`[first_needed(n), n)`: vLLM hands the request its null block before that. Should vLLM's
-allocation ever disagree with that rule, the request's blocks are reported as load errors
-(`take_invalid`), so vLLM recomputes them: never a block read that was not loaded.
+Several KV cache groups (vLLM's hybrid allocator: full-attention and sliding-window layers
+in groups of their own, each with its own block table over one shared pool) share one token
+chain; each group's blocks are keyed apart (`group_key`), since each holds other layers' bytes.
+A full-attention group needs every block of a hit; a sliding-window group (`Window`) only those
+the next token still reads, `[first_needed(n), n)` of a hit of n blocks, vLLM's null block
+before them. Per request kvtier stores a window group's window before the prompt's own hit
+boundary (bounded by the window, not the prompt), and offers the longest hit every group can
+serve whole. Should vLLM's allocation ever disagree with that rule, the request's blocks are
+reported as load errors (`take_invalid`), so vLLM recomputes them: never a block read that
+was not loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,26 +54,34 @@ from kvtier.tier import (
 
 @dataclass(frozen=True)
 class Scheduled:
-    """One request in this step: its blocks so far and tokens computed once it has run."""
+    """One request in this step: its blocks so far (one list per KV cache group) and tokens
+    computed once it has run."""
 
     request_id: str
-    block_ids: Sequence[int]
+    block_ids: Sequence[Sequence[int]]
     computed_after: int
+
+
+def group_key(key: BlockKey, tag: bytes) -> BlockKey:
+    """Block `key`'s name in one KV cache group ("" for a model with one group: its key)."""
+    return key if not tag else hashlib.blake2b(key + tag, digest_size=16).digest()
 
 
 @dataclass
 class _Request:
     tokens: Sequence[int]  # the live token ids (prompt and output so far)
     namespace: BlockKey
-    keys: list[BlockKey] = field(default_factory=list)
+    prompt_len: int  # a window group stores the window before the prompt's hit boundary
+    keys: list[BlockKey] = field(default_factory=list)  # the chain, group-free
+    group_keys: list[list[BlockKey]] = field(default_factory=list)  # per group, as far
     stored: int = 0  # leading full blocks handed to the tier (stored, or loaded from it)
     match: Match = NO_MATCH
     local_blocks: int = 0  # vLLM's own prefix hit when `match` was made
+    need: list[tuple[int, int]] = field(default_factory=list)  # (group, block) `match` loads
+    offered: int = 0  # tokens `match` let vLLM skip computing (from its own hit on)
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
-    prompt_len: int = 0  # a window group stores the window before the prompt's hit boundary
-    first: int = 0  # the first block `match` loads (a window group's hit skips the rest)
-    offered: int = 0  # tokens `match` let vLLM skip computing (from its own hit on)
+    restored: int = 0  # tokens vLLM skipped computing because a load of ours landed
 
 
 class SchedulerSide:
@@ -76,18 +89,21 @@ class SchedulerSide:
 
     def __init__(self, manager: TierManager, block_size: int,
                  namespace: Callable[[str], BlockKey], world_size: int = 1,
-                 window: Window | None = None) -> None:
+                 windows: Sequence[Window | None] = (None,)) -> None:
         self.manager = manager
         self.block_size = block_size
         self.namespace = namespace  # salt (cache_salt, LoRA) -> the chain's seed
         # tensor-parallel ranks: the tier reckons in one rank's slice of a block, vLLM's
         # metrics in bytes moved by all ranks
         self.world_size = world_size
-        self.window = window  # a sliding-window group (None: every block is kept)
+        self.windows = tuple(windows)  # per KV cache group: its window (None: every block)
+        self.tags = [b"" if len(windows) == 1 else f"group={g}".encode()
+                     for g in range(len(windows))]
         self._invalid: set[int] = set()  # device blocks vLLM must recompute (take_invalid)
         self.requests: dict[str, _Request] = {}
         self._counts: Counter[str] = Counter()  # since the last take_stats
-        self._restoring: dict[int, int] = {}  # load job -> tokens it restores
+        # load job -> its request, the tokens it spares vLLM, its blocks per group
+        self._restoring: dict[int, tuple[str, int, Counter[int]]] = {}
         self._reported: dict[str, float] = {}  # what the tier knew at start is news too
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
@@ -97,42 +113,55 @@ class SchedulerSide:
         bs = self.block_size
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
-        st.match, st.local_blocks, st.looked_up, st.offered = NO_MATCH, d, 0, 0
+        st.match, st.local_blocks, st.looked_up, st.offered, st.need = NO_MATCH, d, 0, 0, []
         if last <= d:
             return 0
-        keys = self._keys(st, last)
-        end = last if self.window is None else self._window_end(st, keys, d, last)
-        first = d if self.window is None else max(d, self.window.first_needed(end))
-        chunks = [tokens[i * bs:(i + 1) * bs] for i in range(first, end)]
-        match = self.manager.match(request_id, keys[first:end], chunks)
+        self._keys(st, last)
+        end = last if self._partial_ok else self._whole_end(st, d, last)
+        need = self._needed(d, end)
+        match = self.manager.match(request_id, [st.group_keys[g][i] for g, i in need],
+                                   [self._chunk(st, i) for _, i in need])
         if match is None or match.fetching:  # a presence answer or a fetch is on its way
             return None
-        st.looked_up, st.first = (last - d) * bs, first
+        st.looked_up = (last - d) * bs
         if not match.load_keys:
             st.match = match
             return 0
-        if self.window is not None and len(match.load_keys) < end - first:
-            # a window needs all of its blocks: part of it is recomputing all of it
+        if len(match.load_keys) < len(need) and not self._partial_ok:
+            # every group needs all of its blocks: part of a hit is recomputing all of it
             st.match = Match(declined_tokens=match.restored_tokens + match.declined_tokens)
             return 0  # a fetch's pins are released when vLLM admits the request
-        st.match = match
-        st.offered = (first - d) * bs + match.restored_tokens
+        st.match, st.need = match, need[:len(match.load_keys)]
+        st.offered = (max(i for _, i in st.need) + 1 - d) * bs
         return st.offered
 
-    def _window_end(self, st: _Request, keys: list[BlockKey], d: int, last: int) -> int:
-        """The longest hit whose window the host holds whole (probed without side effects);
-        `last` when none does: the lookup then asks the tiers below host for that window."""
-        assert self.window is not None
-        bs = self.block_size
+    @property
+    def _partial_ok(self) -> bool:
+        """One full-attention group: any leading run of a hit is a hit of its own."""
+        return self.windows == (None,)
+
+    def _needed(self, d: int, end: int) -> list[tuple[int, int]]:
+        """(group, block) of every block a hit of `end` blocks loads after vLLM's `d`."""
+        need = []
+        for g, w in enumerate(self.windows):
+            first = d if w is None else max(d, w.first_needed(end))
+            need += [(g, i) for i in range(first, end)]
+        return need
+
+    def _whole_end(self, st: _Request, d: int, last: int) -> int:
+        """The longest hit every group's blocks of which the host holds whole (probed
+        without side effects); `last` when none: the lookup then asks below host for it."""
+        held = {(g, i) for g in range(len(self.windows)) for i in range(d, last)
+                if self.manager.host_hits([st.group_keys[g][i]], [self._chunk(st, i)])}
         for end in range(last, d, -1):
-            first = max(d, self.window.first_needed(end))
-            chunks = [st.tokens[i * bs:(i + 1) * bs] for i in range(first, end)]
-            if self.manager.host_hits(keys[first:end], chunks) == end - first:
+            if all(gi in held for gi in self._needed(d, end)):
                 return end
         return last
 
-    def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> int | None:
-        """vLLM allocated `block_ids`; `external` of its tokens are ours to load."""
+    def allocated(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                  external: int) -> int | None:
+        """vLLM allocated `block_ids` (one list per group); `external` of its tokens are ours
+        to load."""
         st = self.requests.get(request_id)
         if st is None:
             return None
@@ -140,23 +169,34 @@ class SchedulerSide:
             st.counted = True
             self._counts["lookup_tokens"] += st.looked_up
             self._counts["declined_tokens"] += st.match.declined_tokens
-        match = st.match if external else NO_MATCH
-        n = len(match.load_keys)
-        d, first = st.local_blocks, st.first
+        match, need = (st.match, st.need) if external else (NO_MATCH, [])
         if external and external != st.offered:
-            match, n = NO_MATCH, 0  # vLLM took less than offered: load nothing, recompute
-        targets = list(block_ids[first:first + n])
-        if n and (0 in targets or any(block_ids[d:first])):
+            match, need = NO_MATCH, []  # vLLM took less than offered: load nothing, recompute
+        targets = [block_ids[g][i] for g, i in need]
+        if need and not self._where_expected(block_ids, st.local_blocks, need):
             # vLLM's nulls are not where the window rule puts them: load nothing, and have
             # vLLM recompute every block it thinks restored
-            self._invalid.update(b for b in block_ids[d:first + n] if b)
-            match, n, targets = NO_MATCH, 0, []
+            d, end = st.local_blocks, st.local_blocks + st.offered // self.block_size
+            self._invalid.update(b for ids in block_ids for b in ids[d:end] if b)
+            match, need, targets = NO_MATCH, [], []
         job = self.manager.allocated(request_id, match, targets)
         if job is not None:
-            self._restoring[job] = match.restored_tokens
-        st.stored = max(st.stored, first + n)
-        st.match, st.offered = NO_MATCH, 0
+            self._restoring[job] = (request_id, st.offered, Counter(g for g, _ in need))
+        if need:
+            st.stored = max(st.stored, max(i for _, i in need) + 1)
+        st.match, st.need, st.offered = NO_MATCH, [], 0
         return job
+
+    def _where_expected(self, block_ids: Sequence[Sequence[int]], d: int,
+                        need: list[tuple[int, int]]) -> bool:
+        """Whether vLLM allocated real blocks for all of `need`, and its null block for the
+        window blocks before them that a hit skips."""
+        if any(not block_ids[g][i] for g, i in need):
+            return False
+        firsts: dict[int, int] = {}
+        for g, i in need:
+            firsts[g] = min(firsts.get(g, i), i)
+        return all(not any(block_ids[g][d:first]) for g, first in firsts.items())
 
     def take_invalid(self) -> set[int]:
         """Device blocks vLLM believes restored but kvtier did not load (see module doc)."""
@@ -171,14 +211,17 @@ class SchedulerSide:
             st = self.requests.get(s.request_id)
             if st is None:
                 continue
-            full = min(s.computed_after, len(st.tokens), len(s.block_ids) * bs) // bs
+            allocated = min(len(ids) for ids in s.block_ids)
+            full = min(s.computed_after, len(st.tokens), allocated * bs) // bs
             if full <= st.stored:
                 continue
-            keys = self._keys(st, full)
-            kept = [i for i in range(st.stored, full) if s.block_ids[i] and self._kept(st, i)]
+            self._keys(st, full)
+            kept = [(g, i) for g, ids in enumerate(s.block_ids)
+                    for i in range(st.stored, full) if ids[i] and self._kept(st, g, i)]
             if kept:
-                self.manager.store([s.block_ids[i] for i in kept], [keys[i] for i in kept],
-                                   [st.tokens[i * bs:(i + 1) * bs] for i in kept])
+                self.manager.store([s.block_ids[g][i] for g, i in kept],
+                                   [st.group_keys[g][i] for g, i in kept],
+                                   [self._chunk(st, i) for _, i in kept])
             st.stored = full  # a store the host refused is not retried: it is a future miss
         return self.manager.take_jobs()
 
@@ -189,10 +232,16 @@ class SchedulerSide:
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
             if isinstance(event, LoadDone):
-                tokens = self._restoring.pop(event.job_id, 0)
+                request_id, tokens, groups = self._restoring.pop(event.job_id,
+                                                                 ("", 0, Counter()))
+                st = self.requests.get(request_id)
                 if event.success:
                     self._counts["restored_tokens"] += tokens
                     self._counts["restore_seconds"] += event.seconds
+                    for g, n in groups.items():
+                        self._counts[f"restored_blocks|{self._group_label(g)}"] += n
+                    if st is not None:
+                        st.restored += tokens
 
     def take_stats(self) -> dict[str, float]:
         """What happened since the last call (vLLM sums the reports). Keys with a tier (and a
@@ -230,9 +279,12 @@ class SchedulerSide:
         tier's own outcome for it says."""
         outcome = self.manager.outcome(request_id)
         self.manager.finished(request_id)
-        if self.requests.pop(request_id, None) is None:
+        st = self.requests.pop(request_id, None)
+        if st is None:
             return {}
-        restored = 0 if outcome.failed else outcome.restored_tokens
+        # tokens vLLM did not compute thanks to kvtier (a window group loads fewer: its
+        # bytes are in the counters)
+        restored = 0 if outcome.failed else st.restored
         # "none": kvtier restored nothing (vLLM's own prefix cache or its compute served it)
         residency = (Residency.from_medium(outcome.source).value
                      if restored and outcome.source else "none")
@@ -240,13 +292,21 @@ class SchedulerSide:
                 "kvtier_restored_tokens": restored,
                 "kvtier_restore_s": round(outcome.seconds, 6)}
 
-    def _kept(self, st: _Request, i: int) -> bool:
-        """Whether block `i` is worth storing: every block of full attention; of a window,
-        those a re-sent prompt's hit reads (the window before its hit boundary)."""
-        if self.window is None:
+    def _group_label(self, g: int) -> str:
+        w = self.windows[g]
+        return f"{g}:full" if w is None else f"{g}:window={w.tokens}"
+
+    def _kept(self, st: _Request, g: int, i: int) -> bool:
+        """Whether block `i` of group `g` is worth storing: every block of full attention;
+        of a window, those a re-sent prompt's hit reads (the window before its boundary)."""
+        w = self.windows[g]
+        if w is None:
             return True
         end = (st.prompt_len - 1) // self.block_size
-        return self.window.first_needed(end) <= i < end
+        return w.first_needed(end) <= i < end
+
+    def _chunk(self, st: _Request, i: int) -> Sequence[int]:
+        return st.tokens[i * self.block_size:(i + 1) * self.block_size]
 
     def _state(self, request_id: str, tokens: Sequence[int], salt: str,
                prompt_len: int | None = None) -> _Request:
@@ -254,14 +314,18 @@ class SchedulerSide:
         if st is None:
             st = self.requests[request_id] = _Request(
                 tokens, self.namespace(salt),
-                prompt_len=len(tokens) if prompt_len is None else prompt_len)
+                len(tokens) if prompt_len is None else prompt_len)
         return st
 
-    def _keys(self, st: _Request, full: int) -> list[BlockKey]:
-        """The chain over the first `full` blocks (extended, never recomputed)."""
+    def _keys(self, st: _Request, full: int) -> None:
+        """The chain over the first `full` blocks, and each group's keys of them (extended,
+        never recomputed)."""
         have = len(st.keys)
         if full > have:
             parent = st.keys[-1] if st.keys else None
             st.keys += hash_blocks(st.namespace, st.tokens[:full * self.block_size],
                                    self.block_size, start=have, parent=parent)
-        return st.keys
+        if not st.group_keys:
+            st.group_keys = [[] for _ in self.windows]
+        for tag, keys in zip(self.tags, st.group_keys):
+            keys += [group_key(k, tag) for k in st.keys[len(keys):]]

@@ -27,13 +27,15 @@ COUNTERS = {
     "failed_stores": "Device -> host stores that failed (never served)",
     "store_refused": "Stores the host tier had no room for",
 }
-# data key "family|tier[|reason]" -> (labels after vLLM's, what it counts)
-BY_TIER = {
+# data key "family|label[|label]" -> (labels after vLLM's, what it counts)
+LABELLED = {
     "written_blocks": (("tier",), "Blocks written on from host to a tier below it"),
     "written_bytes": (("tier",), "Bytes written on from host to a tier below it"),
     "write_failures": (("tier",), "Blocks a tier below host failed to take (not misses)"),
     "fetched_blocks": (("tier",), "Blocks fetched into host from a tier below it, verified"),
     "fetched_bytes": (("tier",), "Bytes fetched into host from a tier below it"),
+    "restored_blocks": (("group",), "Blocks restored into vLLM's KV cache, per KV cache group "
+                                    "(its index and kind: full, or window=<tokens>)"),
     "miss_blocks": (("tier", "reason"), "Blocks found below host but not served, by reason "
                                         "(kvtier.tier.Reason: fingerprint, checksum, mac, "
                                         "missing, io, ...; blocks refused at start included)"),
@@ -71,12 +73,12 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         for key, documentation in COUNTERS.items():
             self._families[key] = self._counter_cls(
                 name=f"vllm:kvtier_{key}", documentation=documentation, labelnames=labelnames)
-        for key, (extra, documentation) in BY_TIER.items():
+        for key, (extra, documentation) in LABELLED.items():
             self._families[key] = self._counter_cls(
                 name=f"vllm:kvtier_{key}", documentation=documentation,
                 labelnames=[*labelnames, *extra])
         self._bound: dict[tuple[str, int], Any] = {}
-        for key in COUNTERS:  # at 0 from the start; the by-tier ones once a tier has them
+        for key in COUNTERS:  # at 0 from the start; the labelled ones once they happen
             for engine in per_engine_labelvalues:
                 self._counter(key, engine)
 
@@ -92,7 +94,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         if bound is None:
             family, *extra = key.split("|")
             labels = self._engine_labels.get(engine_idx)
-            want = len(BY_TIER[family][0]) if family in BY_TIER else 0
+            want = len(LABELLED[family][0]) if family in LABELLED else 0
             if family not in self._families or labels is None or len(extra) != want:
                 return None
             bound = self._bound[(key, engine_idx)] = self._families[family].labels(

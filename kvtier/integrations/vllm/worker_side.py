@@ -45,20 +45,36 @@ class ExpectedLayout:
 
     An attention kernel that pages in smaller blocks than the scheduler (vLLM splits each
     manager block into r kernel blocks) would change what a block's bytes mean without the
-    scheduler side, which names blocks, knowing it: refused, with the block size that fits."""
+    scheduler side, which names blocks, knowing it: refused, with the block size that fits.
 
-    num_layers: int
+    Under vLLM's hybrid allocator the KV cache groups share their per-layer tensors (layer i
+    of every group is one tensor), and a block id is one group's at a time: a block is then
+    the group-size tensors of `layers` (the largest group's), and every other registered
+    layer must be a view of one of them."""
+
+    layers: tuple[str, ...]  # the distinct KV tensors a block spans, in their stored order
     num_blocks: int
-    layer_block_shape: tuple[int, ...]  # [num_kv_heads, block_size, 2 * head_size]
+    layer_block_shape: tuple[int, ...]  # [num_kv_heads, block_size, head_size + head_size_v]
     dtype: Any
     host_slots: int
 
-    def check(self, layers: Mapping[str, Any]) -> KVLayout:
-        if len(layers) != self.num_layers:
-            raise ConfigError(f"vLLM registered {len(layers)} KV tensors, kvtier planned for "
-                              f"{self.num_layers} layers; refusing an unknown KV layout")
+    def check(self, registered: Mapping[str, Any]) -> KVLayout:
+        missing = [name for name in self.layers if name not in registered]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV tensor for {', '.join(missing[:3])}, "
+                              f"which kvtier planned for; refusing an unknown KV layout")
+        layers = {name: registered[name] for name in self.layers}
         for name, t in layers.items():
             self._check_layer(name, t)
+        distinct = {t.data_ptr() for t in layers.values()}
+        if len(distinct) != len(layers):
+            raise ConfigError("vLLM's KV tensors of one KV cache group share memory; kvtier "
+                              "refuses a layout it does not know (fail closed)")
+        for name, t in registered.items():
+            if name not in layers and (t.data_ptr() not in distinct
+                                       or tuple(t.shape) != self.shape or t.dtype != self.dtype):
+                raise ConfigError(f"vLLM's KV tensor {name} is not one of the shared tensors "
+                                  f"kvtier planned for; refusing an unknown KV layout")
         storages = {t.untyped_storage().data_ptr() for t in layers.values()}
         cuda = all(t.is_cuda for t in layers.values())
         if len(storages) != 1 and not (cuda and len(storages) == len(layers)):
@@ -66,6 +82,10 @@ class ExpectedLayout:
                               "knows one allocation for all layers (vLLM 0.32's CPU backend) "
                               "or, on CUDA, one per layer")
         return KVLayout.from_layers(layers)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, *self.layer_block_shape)
 
     def _check_layer(self, name: str, t: Any) -> None:
         """A ConfigError naming the tensor for any shape, dtype or stride but the planned."""
