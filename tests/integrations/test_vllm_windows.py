@@ -82,3 +82,15 @@ def test_gemma3_under_the_hybrid_allocator_restores_every_group_exactly(
     assert sum(label.endswith(":full") for label in restored) == 1
     # per prompt: every block of the global layer's group, the window of each other group
     assert m["vllm:kvtier_stored_blocks"] <= 9 * (10 + 5 * window_blocks)
+
+
+def test_an_ssm_model_stops_vllm_at_start_with_kvtiers_message(
+        vllm_python: Path, tiny_hf: Callable[[str], Path]) -> None:
+    # (engine-only knobs and the other refused kinds are checked without vLLM:
+    # test_settings.py, test_groups.py; an unknown knob through vLLM: test_vllm.py)
+    proc = run_vllm(vllm_python, tiny_hf("mamba"), {
+        "connector": HOST, "blocks": 24, "prompts": [], "block_size": BLOCK_SIZE,
+        "kv_bytes_per_block": kv_bytes_per_block("llama"), "max_model_len": PROMPT},
+        env=ONE_PROCESS, check=False)
+    assert proc.returncode != 0
+    assert "is MambaSpec (Mamba/SSM state)" in proc.stdout + proc.stderr

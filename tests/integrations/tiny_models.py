@@ -9,7 +9,8 @@ depends on its context, which would make an exactness test pass for the wrong re
 weights are drawn wider (`INIT_STD`) and the tests check that an early token changes the
 output. KIND: llama (4 query, 2 KV heads: one per rank under tensor parallel 2), mistral
 (llama with `sliding_window`), gemma3 (Gemma 3 text: sliding-window layers interleaved with
-full-attention ones, so vLLM's hybrid allocator plans several KV cache groups).
+full-attention ones, so vLLM's hybrid allocator plans several KV cache groups), mamba (SSM
+state, no attention: what kvtier refuses by name).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ INIT_STD = 0.25
 BLOCK_SIZE = 32  # vLLM's CPU attention pages in multiples of 32 tokens
 WINDOW = 64  # tokens a sliding-window layer sees: two blocks
 KV_HEADS = {"llama": 2, "mistral": 2, "gemma3": 1}
-LAYERS = {"llama": 2, "mistral": 2, "gemma3": 6}
+LAYERS = {"llama": 2, "mistral": 2, "gemma3": 6}  # (mamba has no KV: sized as llama)
 
 
 def kv_bytes_per_block(kind: str, tensor_parallel_size: int = 1) -> int:
@@ -55,7 +56,10 @@ def config(kind: str) -> Any:
                                    sliding_window=WINDOW, sliding_window_pattern=6,
                                    query_pre_attn_scalar=HEAD_DIM,
                                    **{**common, "tie_word_embeddings": False})
-    raise SystemExit(f"unknown tiny model kind {kind!r}: llama, mistral or gemma3")
+    if kind == "mamba":
+        return tf.MambaConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
+                              state_size=16, torch_dtype="float32")
+    raise SystemExit(f"unknown tiny model kind {kind!r}: llama, mistral, gemma3 or mamba")
 
 
 def write(kind: str, directory: Path) -> Path:
@@ -64,9 +68,8 @@ def write(kind: str, directory: Path) -> Path:
 
     torch.manual_seed(0)
     cfg = config(kind)
-    model_cls = tf.Gemma3ForCausalLM if kind == "gemma3" else tf.AutoModelForCausalLM
-    model = model_cls.from_config(cfg) if model_cls is tf.AutoModelForCausalLM \
-        else model_cls(cfg)
+    model = tf.Gemma3ForCausalLM(cfg) if kind == "gemma3" \
+        else tf.AutoModelForCausalLM.from_config(cfg)
     if kind == "gemma3":
         with torch.no_grad():  # Gemma's norms start at a flat 1: drawn, so context shows
             for name, param in model.named_parameters():
