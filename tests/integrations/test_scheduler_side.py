@@ -154,3 +154,27 @@ def test_a_window_only_partly_held_is_not_offered() -> None:
     finish_jobs(s, [store], ok=False)  # the window never reached host
     s.finished("a")
     assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 0
+
+
+def test_hybrid_groups_are_keyed_apart_and_a_hit_needs_every_group_whole() -> None:
+    # group 0 full attention, group 1 a window of 8 tokens; one pool, a block table each
+    s = side(slots=16, windows=(None, Window(8, 0, BS)))
+    prompt = list(range(10, 34))  # 24 tokens: 6 full blocks, a hit of at most 5
+    full, win = list(range(1, 8)), list(range(21, 28))
+    s.matched_tokens("a", prompt, "", 0, len(prompt))
+    s.allocated("a", [full, win], 0)
+    [store] = s.step([Scheduled("a", [full, win], len(prompt))])
+    # every full block of group 0; of group 1 only the window a 5-block hit reads
+    assert store.device_blocks == (1, 2, 3, 4, 5, 6, 24, 25)
+    assert len(set(s.requests["a"].group_keys[0]) & set(s.requests["a"].group_keys[1])) == 0
+    finish_jobs(s, [store])
+    s.finished("a")
+    assert s.matched_tokens("b", prompt, "", 0, len(prompt)) == 20
+    s.allocated("b", [[31, 32, 33, 34, 35, 36, 37], [0, 0, 0, 41, 42, 43, 44]], 20)
+    [load] = s.step([Scheduled("b", [[31, 32, 33, 34, 35, 36, 37],
+                                     [0, 0, 0, 41, 42, 43, 44]], 24)])
+    assert load.device_blocks == (31, 32, 33, 34, 35, 41, 42)  # one job for both groups
+    finish_jobs(s, [load])
+    stats = s.take_stats()
+    assert stats["restored_blocks|0:full"] == 5 and stats["restored_blocks|1:window=8"] == 2
+    assert s.finished("b")["kvtier_restored_tokens"] == 20
