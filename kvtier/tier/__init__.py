@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         build,
         build_scheduler_side,
         build_worker_side,
+        host_slot_nbytes,
     )
     from kvtier.tier.worker.worker import TierWorker, WorkerReport
 
@@ -86,6 +87,7 @@ __all__ = [
     "check_types",
     "hash_blocks",
     "host_slot_count",
+    "host_slot_nbytes",
     "is_swap_key",
     "swap_key",
 ]
@@ -93,7 +95,8 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """The bytes side (torch) on first use: `build*`, `Tier`, `TierWorker`."""
-    if name in ("SchedulerTier", "Tier", "build", "build_scheduler_side", "build_worker_side"):
+    if name in ("SchedulerTier", "Tier", "build", "build_scheduler_side", "build_worker_side",
+                "host_slot_nbytes"):
         from kvtier.tier import wiring
 
         return getattr(wiring, name)

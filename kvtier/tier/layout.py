@@ -6,6 +6,7 @@ Two shapes are known, both with the block as dimension 0:
   from_layers(layers)    one tensor per layer, as vLLM hands them to a KV connector
                          layer: [num_blocks, *layer_block_shape], e.g. vLLM CPU
                          [num_blocks, num_kv_heads, block_size, 2 * head_size]
+                         (`heads_first`: K then V in the last dimension, as there)
 A block of one layer is always one contiguous run (`layer_view(l)[b]`), copied as opaque
 bytes; the tier never reads single tokens. A host slot holds one block for all layers:
 [num_layers, *layer_block_shape]. No torch here: only the tensors' own methods are used.
@@ -33,6 +34,9 @@ class KVLayout:
     layer_block_shape: tuple[int, ...]
     dtype: Any
     device: Any
+    # per layer and block [num_kv_heads, block_size, 2 * head_dim], K then V (vLLM's LBHNC):
+    # what lets an 8-bit encoding find heads and tokens in a block it otherwise copies opaque
+    heads_first: bool = False
 
     @classmethod
     def from_contiguous(cls, kv: Any) -> KVLayout:
@@ -45,7 +49,8 @@ class KVLayout:
                    tuple(int(d) for d in kv.shape[2:]), kv.dtype, kv.device)
 
     @classmethod
-    def from_layers(cls, layers: Mapping[str, Any] | Sequence[Any]) -> KVLayout:
+    def from_layers(cls, layers: Mapping[str, Any] | Sequence[Any],
+                    heads_first: bool = False) -> KVLayout:
         """One tensor per layer, each [num_blocks, ...] and contiguous, all alike. A mapping
         is ordered by the layer index in its names ("model.layers.7.self_attn.attn")."""
         tensors = list(_in_layer_order(layers) if isinstance(layers, Mapping) else layers)
@@ -63,8 +68,12 @@ class KVLayout:
                 raise ConfigError(
                     f"KV layer {i} of shape {tuple(t.shape)} must be contiguous with the "
                     "block as dimension 0 (a block of a layer is then one run of bytes)")
-        return cls(tuple(tensors), False, int(first.shape[0]), len(tensors),
-                   tuple(int(d) for d in first.shape[1:]), first.dtype, first.device)
+        shape = tuple(int(d) for d in first.shape[1:])
+        if heads_first and (len(shape) != 3 or shape[2] % 2):
+            raise ConfigError(f"a heads-first KV layer block is [num_kv_heads, block_size, "
+                              f"2 * head_dim]; got {shape}")
+        return cls(tuple(tensors), False, int(first.shape[0]), len(tensors), shape,
+                   first.dtype, first.device, heads_first)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -88,6 +97,17 @@ class KVLayout:
     @property
     def is_cuda(self) -> bool:
         return bool(self.tensors[0].is_cuda)
+
+    @property
+    def coded_block_shape(self) -> tuple[int, ...] | None:
+        """One block as an 8-bit encoding reads it, [num_layers, block_size, 2, num_kv_heads,
+        head_dim]; None where the layout does not say where heads and tokens are."""
+        if self.contiguous:
+            return self.block_shape
+        if self.heads_first:
+            heads, tokens, width = self.layer_block_shape
+            return (self.num_layers, tokens, 2, heads, width // 2)
+        return None
 
     def layer_view(self, layer: int) -> Any:
         """[num_blocks, *layer_block_shape]: layer `layer` of every block (a strided view of

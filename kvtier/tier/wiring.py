@@ -29,6 +29,7 @@ from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.worker.block_mac import BlockMac
+from kvtier.tier.worker.codec import encoded_nbytes
 from kvtier.tier.worker.disk_open import open_disk, read_disk_index
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.io import TierIO
@@ -97,31 +98,44 @@ class SchedulerTier:
 
 
 def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
-                         calibration: Calibration, namespace: bytes) -> SchedulerTier:
+                         calibration: Calibration, namespace: bytes,
+                         coded_shape: tuple[int, ...] | None = None) -> SchedulerTier:
     """The manager alone (vLLM's scheduler): a host index of exactly the slots
     `build_worker_side` will allocate, the disk index read from the file the worker owns,
     and Redis asked for presence only. The tiers' read rates are measured here, where the
-    planner lives. Exact blocks only: 8-bit host slots need the pool in this process."""
+    planner lives. With 8-bit host slots (`kv_offload_dtype`) a slot's size follows from
+    `coded_shape`, the block as the codec reads it (`KVLayout.coded_block_shape`)."""
     _enabled(config)
-    if config.kv_offload_dtype:
-        raise ConfigError("kv_offload_dtype (8-bit host slots) needs the scheduler and the "
-                          "worker in one process; unset it")
+    encoding = config.kv_offload_dtype or ""
+    slot_bytes = host_slot_nbytes(block_nbytes, coded_shape, encoding)
     with ExitStack() as undo:
         indexes: list[SecondaryIndex] = []
         if config.disk_enabled:
-            indexes.append(read_disk_index(config, block_nbytes, "", namespace, block_size))
-            calibration.tier_gbps[DISK] = _disk_rate(config, block_nbytes)
+            indexes.append(read_disk_index(config, slot_bytes, encoding, namespace, block_size))
+            calibration.tier_gbps[DISK] = _disk_rate(config, slot_bytes)
         if config.remote_enabled:
             # Presence only: the store's namespace, no warning (the worker side gives it).
             store = _open_remote(config, namespace, undo, remote_mac(config, warn=False))
             indexes.append(_presence(store, undo))
-            calibration.tier_gbps[REMOTE] = remote_rate(store, block_nbytes,
+            calibration.tier_gbps[REMOTE] = remote_rate(store, slot_bytes,
                                                         config.remote_kv_read_gbps)
         manager = _manager(config, block_size,
-                           host_slot_count(config.kv_offloading_size, block_nbytes),
-                           block_nbytes, "", block_nbytes, calibration, indexes)
+                           host_slot_count(config.kv_offloading_size, slot_bytes),
+                           slot_bytes, encoding, block_nbytes, calibration, indexes)
         side = SchedulerTier(manager, undo.pop_all())
     return side
+
+
+def host_slot_nbytes(block_nbytes: int, coded_shape: tuple[int, ...] | None,
+                     encoding: str) -> int:
+    """Bytes of one host slot for a block of `block_nbytes`: itself, or with an 8-bit
+    `encoding` its encoding's, from `coded_shape` (the block as the codec reads it)."""
+    if not encoding:
+        return block_nbytes
+    if coded_shape is None:
+        raise ConfigError("kv_offload_dtype (8-bit host slots) needs the block's shape as the "
+                          "codec reads it; this client gives none: unset it")
+    return encoded_nbytes(coded_shape, encoding)
 
 
 def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +55,7 @@ from kvtier.tier import (
     build_scheduler_side,
     check_fits,
     host_slot_count,
+    host_slot_nbytes,
 )
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if scheduler:
             _announce(plan, self.config)
             self.tier = build_scheduler_side(plan.config, plan.block_size, plan.block_nbytes,
-                                             prior(), plan.namespace)
+                                             prior(), plan.namespace, plan.expected.coded_shape)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            plan.fingerprint.namespace, plan.world_size,
                                            plan.windows)
@@ -324,9 +325,6 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     served = servable_groups(kv_cache_config.kv_cache_groups if kv_cache_config else None)
     assert kv_cache_config is not None
     spec = served[0].group.kv_cache_spec  # every group's blocks have its shape
-    if config.kv_offload_dtype:
-        raise ConfigError("kv_offload_dtype (8-bit demotion) is kvtier-engine only for now; "
-                          "unset it under vLLM")
     platform = vllm.platforms.current_platform
     if platform.device_type not in ("cpu", "cuda"):
         raise ConfigError(f"kvtier's connector runs on vLLM's CPU and CUDA backends; this is "
@@ -343,8 +341,15 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     dtype = spec.dtype
     nbytes = len(layers) * math.prod(layer_block_shape) * \
         torch.empty((), dtype=dtype).element_size()
+    if config.kv_offload_dtype and width % 2:
+        raise ConfigError(f"kv_offload_dtype={config.kv_offload_dtype} needs K and V of one "
+                          f"head size (this model's are {spec.head_size} and "
+                          f"{width - int(spec.head_size)}); unset it")
     expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
-                              host_slot_count(share.kv_offloading_size, nbytes))
+                              0)
+    slot_bytes = host_slot_nbytes(nbytes, expected.coded_shape, config.kv_offload_dtype or "")
+    expected = replace(expected, host_slots=host_slot_count(share.kv_offloading_size,
+                                                            slot_bytes))
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
@@ -358,6 +363,7 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         block_size=block_size,
         tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV
         attention_backend=backend,
+        kv_offload_encoding=config.kv_offload_dtype or "",
         parallel=split.describe(),
     )
     return _Plan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share,

@@ -238,6 +238,8 @@ class SchedulerSide:
                 if event.success:
                     self._counts["restored_tokens"] += tokens
                     self._counts["restore_seconds"] += event.seconds
+                    if self.manager.lossy:  # host slots hold 8-bit encodings
+                        self._counts["lossy_restored_tokens"] += tokens
                     for g, n in groups.items():
                         self._counts[f"restored_blocks|{self._group_label(g)}"] += n
                     if st is not None:
@@ -290,7 +292,9 @@ class SchedulerSide:
                      if restored and outcome.source else "none")
         return {"kvtier_residency": residency,
                 "kvtier_restored_tokens": restored,
-                "kvtier_restore_s": round(outcome.seconds, 6)}
+                "kvtier_restore_s": round(outcome.seconds, 6),
+                # restored from 8-bit blocks (kv_offload_dtype): close to, not exactly, the KV
+                "kvtier_lossy": bool(restored and outcome.lossy)}
 
     def _group_label(self, g: int) -> str:
         w = self.windows[g]

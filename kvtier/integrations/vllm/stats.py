@@ -21,6 +21,8 @@ COUNTERS = {
                        "a block that failed verification, or no room on host)",
     "restore_bytes": "Bytes copied host -> vLLM's KV cache",
     "restore_seconds": "Seconds spent copying host -> vLLM's KV cache",
+    "lossy_restored_tokens": "Tokens restored from 8-bit blocks (kv_offload_dtype): close to, "
+                             "not exactly, the KV vLLM would compute",
     "failed_loads": "Host -> device loads that failed (recomputed or failed per policy)",
     "stored_blocks": "Blocks stored device -> host",
     "stored_bytes": "Bytes stored device -> host",

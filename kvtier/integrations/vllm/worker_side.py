@@ -81,7 +81,14 @@ class ExpectedLayout:
             raise ConfigError(f"vLLM's KV tensors live in {len(storages)} allocations; kvtier "
                               "knows one allocation for all layers (vLLM 0.32's CPU backend) "
                               "or, on CUDA, one per layer")
-        return KVLayout.from_layers(layers)
+        return KVLayout.from_layers(layers, heads_first=True)
+
+    @property
+    def coded_shape(self) -> tuple[int, ...]:
+        """A block as kvtier's 8-bit codec reads it: [layers, block_size, 2, heads, head_dim]
+        (the scheduler sizes 8-bit host slots by it without the tensors)."""
+        heads, tokens, width = self.layer_block_shape
+        return (len(self.layers), tokens, 2, heads, width // 2)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -135,13 +135,34 @@ def code_blocks(layout: KVLayout, host: torch.Tensor, device_blocks: Sequence[in
     host side moved.
 
     host: [num_slots, encoded_nbytes] uint8
+    A heads-first per-layer layout (vLLM's) goes through one staging block in the codec's
+    order, [num_layers, block_size, 2, num_kv_heads, head_dim], gathered from (or scattered
+    back to) each layer's [num_kv_heads, block_size, 2 * head_dim] run.
     """
-    kv = layout.tensors[0]
+    if layout.contiguous:
+        kv = layout.tensors[0]
+        for b, s in zip(device_blocks, host_slots):
+            if store:
+                encode_into(kv[b], host[s], encoding)
+            else:
+                decode(host[s].numpy(), kv[b], encoding)
+        return len(device_blocks) * host.shape[1]
+    shape = layout.coded_block_shape
+    assert shape is not None  # the link refuses an encoding without one
+    staging = torch.empty(shape, dtype=layout.dtype)
+    _, tokens, _, heads, dim = shape
     for b, s in zip(device_blocks, host_slots):
+        # each layer's [heads, tokens, 2 * dim] run seen as [tokens, 2, heads, dim]
+        runs = [layout.layer_view(layer)[b].view(heads, tokens, 2, dim).permute(1, 2, 0, 3)
+                for layer in range(layout.num_layers)]
         if store:
-            encode_into(kv[b], host[s], encoding)
+            for layer, run in enumerate(runs):
+                staging[layer].copy_(run)
+            encode_into(staging, host[s], encoding)
         else:
-            decode(host[s].numpy(), kv[b], encoding)
+            decode(host[s].numpy(), staging, encoding)
+            for layer, run in enumerate(runs):
+                run.copy_(staging[layer])
     return len(device_blocks) * host.shape[1]
 
 

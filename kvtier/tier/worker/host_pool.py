@@ -48,13 +48,15 @@ class HostPool:
         pin_memory: bool = False,
         available_bytes: int | None = None,
         encoding: str = "",
+        coded_shape: tuple[int, ...] | None = None,
     ) -> None:
+        """`coded_shape`: the block as an 8-bit encoding reads it (`block_shape` if None)."""
         if num_slots < 1:
             raise ConfigError(f"a host pool needs at least one slot, got num_slots={num_slots}")
         self.block_shape = tuple(block_shape)  # the device block a slot stands for
         self.dtype = dtype
         self.encoding = encoding
-        self.slot_bytes = slot_nbytes(self.block_shape, dtype, encoding)
+        self.slot_bytes = slot_nbytes(coded_shape or self.block_shape, dtype, encoding)
         row = (self.slot_bytes,) if encoding else self.block_shape
         stored = torch.uint8 if encoding else dtype
         self.num_slots = num_slots
@@ -78,14 +80,16 @@ class HostPool:
         pinned when it lives on CUDA."""
         layout = _encodable(as_layout(device), encoding)
         return cls(num_slots, layout.block_shape, layout.dtype, pin_memory=layout.is_cuda,
-                   available_bytes=available_bytes, encoding=encoding)
+                   available_bytes=available_bytes, encoding=encoding,
+                   coded_shape=layout.coded_block_shape)
 
     @classmethod
     def from_size(cls, size_gib: float, device: KVLayout | torch.Tensor,
                   available_bytes: int | None = None, encoding: str = "") -> HostPool:
         """As many slots as fit in `size_gib` (the `kv_offloading_size` knob)."""
         layout = _encodable(as_layout(device), encoding)
-        block_bytes = slot_nbytes(layout.block_shape, layout.dtype, encoding)
+        block_bytes = slot_nbytes(layout.coded_block_shape or layout.block_shape, layout.dtype,
+                                  encoding)
         check_fits(size_gib * GIB, available_bytes)
         num_slots = host_slot_count(size_gib, block_bytes)
         return cls.like(layout, num_slots, available_bytes, encoding)
@@ -120,10 +124,11 @@ class HostPool:
 
 def _encodable(layout: KVLayout, encoding: str) -> KVLayout:
     """`layout`, or a ConfigError where an 8-bit encoding cannot read its blocks."""
-    if encoding and not layout.contiguous:
+    if encoding and layout.coded_block_shape is None:
         raise ConfigError(
-            f"kv_offload_dtype={encoding} encodes kvtier's own contiguous KV layout only "
-            f"(this one is {layout.describe()}); unset kv_offload_dtype")
+            f"kv_offload_dtype={encoding} encodes kvtier's own contiguous KV layout and "
+            f"vLLM's heads-first one only (this one is {layout.describe()}); unset "
+            f"kv_offload_dtype")
     return layout
 
 

@@ -71,11 +71,11 @@ class TransferEngine:
                 f"{layout.block_shape} {layout.dtype}; build the pool with "
                 "HostPool.like(layout, ...)"
             )
-        if host.encoding and (layout.is_cuda or not layout.contiguous):
+        if host.encoding and (layout.is_cuda or layout.coded_block_shape is None):
             raise ConfigError(
-                "kv_offload_dtype encodes blocks on the CPU path of a contiguous KV layout "
-                "only for now (the CUDA side would quantize on the device before the copy, "
-                "which is not built); unset it"
+                "kv_offload_dtype encodes blocks on the CPU path of kvtier's contiguous or "
+                "vLLM's heads-first KV layout only for now (the CUDA side would quantize on the "
+                "device before the copy, which is not built); unset it"
             )
         if layout.is_cuda and not host.pinned:
             raise ConfigError("a CUDA device needs a pinned host pool (HostPool.like pins it)")

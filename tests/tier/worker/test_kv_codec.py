@@ -301,3 +301,34 @@ def test_error_on_realistic_kv(encoding: str, limit_all: float, limit_v: float) 
     _, plain_out = round_trip(plain, encoding)
     plain_err = mean_relative_error(plain, plain_out)
     assert plain_err < limit_v, f"{encoding} on outlier-free normal KV: {plain_err:.2%}"
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_vllms_heads_first_layers_encode_as_the_same_block_in_kvtiers_layout(
+        encoding: str) -> None:
+    """vLLM's per-layer [heads, block_size, 2 * head_dim] blocks (K then V) go through the
+    codec as kvtier's [layers, block_size, 2, heads, head_dim] block: the same bytes below
+    host whichever engine wrote them, and a load puts each value back where it was."""
+    from kvtier.tier.layout import KVLayout
+    from kvtier.tier.worker.copy import move_blocks
+    from kvtier.tier.worker.host_pool import HostPool
+
+    layers, blocks, heads, bs, dim = 3, 6, 2, 4, 8
+    torch.manual_seed(0)
+    ours = torch.randn(blocks, layers, bs, 2, heads, dim)  # kvtier's own block order
+    # the same values as vLLM lays them out: per layer [blocks, heads, bs, 2 * dim]
+    theirs = [ours[:, layer].permute(0, 3, 1, 2, 4).reshape(blocks, heads, bs, 2 * dim)
+              .contiguous() for layer in range(layers)]
+    layout = KVLayout.from_layers(theirs, heads_first=True)
+    assert layout.coded_block_shape == (layers, bs, 2, heads, dim)
+    pool = HostPool.like(layout, 4, encoding=encoding)
+    assert pool.slot_bytes == encoded_nbytes((layers, bs, 2, heads, dim), encoding)
+    move_blocks(layout, pool.tensor, [2, 5], [0, 3], store=True, encoding=encoding)
+    assert bytes(pool.tensor[0].numpy()) == encode(ours[2], encoding)
+    move_blocks(layout, pool.tensor, [0, 1], [0, 3], store=False, encoding=encoding)
+    for layer in range(layers):
+        restored = theirs[layer][[0, 1]]
+        expected = theirs[layer][[2, 5]]
+        assert restored.shape == expected.shape
+        err = (restored - expected).abs().mean() / expected.abs().mean()
+        assert 0 < err < 0.05  # close, not exact: lossy by design
