@@ -10,7 +10,10 @@ without AVX-512 BF16), 2 cores.
   no hit   decode and prefill of prompts that share nothing: what storing every full block
            (and writing it on to disk or Redis) costs when nothing is ever hit (target: 5%)
 
-    python benchmarks/vllm_connector.py [--repeats 3] [--out DIR]
+  deployments   tensor parallel 2, a Gemma-3-style hybrid model and int8 demotion, each
+           against vLLM's own prefix hit and its recompute (benchmarks/vllm_deployments.py)
+
+    python benchmarks/vllm_connector.py [--repeats 3] [--out DIR] [--no-deployments]
 Needs the vLLM environment: bash scripts/vllm_env.sh.
 """
 
@@ -73,6 +76,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-deployments", action="store_true",
+                    help="skip the tensor-parallel, hybrid and int8 rows")
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
         raise SystemExit("no vLLM environment: run bash scripts/vllm_env.sh first")
@@ -116,8 +121,16 @@ def main() -> int:
         }
     redis.close()
     summary = report(rows)
+    deployed: dict[str, Any] = {}
+    if not args.no_deployments:
+        from vllm_deployments import measure
+        from vllm_deployments import report as report_deployments
+
+        deployed["rows"] = measure(args.repeats, tmp / "tiny")
+        deployed["summary"] = report_deployments(deployed["rows"])
     path = write_result("vllm_connector", {"rows": rows, "summary": summary,
-                                           "session_tokens": SESSION}, args.out)
+                                           "session_tokens": SESSION,
+                                           "deployments": deployed}, args.out)
     print(f"wrote {path}")
     return 0
 

