@@ -39,8 +39,10 @@ HOST = {"kv_offloading_size": 0.25, "enable_residency_details": True}
 DEPLOYMENTS: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("tp2", "llama", {"tensor_parallel_size": 2, "blocks": 48,
                       "kv_bytes_per_block": kv_bytes_per_block("llama", 2)}, {}),
-    # under the hybrid allocator a pool block is one group's page: one layer, one head
-    ("gemma3 hybrid", "gemma3", {"hybrid": True, "blocks": 72,
+    # under the hybrid allocator a pool block is one group's page (one layer, one head),
+    # shared by six groups: 288 pages hold a session (34 global + 3 per window group) and
+    # its follow-up, not the three sessions after it
+    ("gemma3 hybrid", "gemma3", {"hybrid": True, "blocks": 288,
                                  "kv_bytes_per_block": kv_bytes_per_block("gemma3") // 6}, {}),
     ("int8", "llama", {"blocks": 48, "kv_bytes_per_block": kv_bytes_per_block("llama")},
      {"kv_offload_dtype": "int8"}),

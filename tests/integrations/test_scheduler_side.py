@@ -178,3 +178,17 @@ def test_hybrid_groups_are_keyed_apart_and_a_hit_needs_every_group_whole() -> No
     stats = s.take_stats()
     assert stats["restored_blocks|0:full"] == 5 and stats["restored_blocks|1:window=8"] == 2
     assert s.finished("b")["kvtier_restored_tokens"] == 20
+
+
+def test_a_request_finished_in_the_step_its_load_lands_is_told_it_was_restored() -> None:
+    # max_tokens=1: vLLM finishes the request before it hands back that step's results
+    s = side()
+    prompt = list(range(10, 24))
+    serve(s, "a", prompt)
+    assert s.matched_tokens("b", prompt, "", 0) == 12
+    s.allocated("b", [[5, 6, 7, 8]], 12)
+    jobs = s.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
+    params = s.finished("b")
+    assert params["kvtier_residency"] == "host" and params["kvtier_restored_tokens"] == 12
+    finish_jobs(s, jobs)
+    assert s.take_stats()["restored_tokens"] == 12

@@ -182,6 +182,10 @@ class SchedulerSide:
         job = self.manager.allocated(request_id, match, targets)
         if job is not None:
             self._restoring[job] = (request_id, st.offered, Counter(g for g, _ in need))
+            # counted now: a request whose load lands in its last step is finished before
+            # vLLM hands back that step's results (a failed load is undone in `apply`, and
+            # its request is never finished in that step: vLLM recomputes its blocks first)
+            st.restored += st.offered
         if need:
             st.stored = max(st.stored, max(i for _, i in need) + 1)
         st.match, st.need, st.offered = NO_MATCH, [], 0
@@ -242,8 +246,8 @@ class SchedulerSide:
                         self._counts["lossy_restored_tokens"] += tokens
                     for g, n in groups.items():
                         self._counts[f"restored_blocks|{self._group_label(g)}"] += n
-                    if st is not None:
-                        st.restored += tokens
+                elif st is not None:
+                    st.restored -= tokens
 
     def take_stats(self) -> dict[str, float]:
         """What happened since the last call (vLLM sums the reports). Keys with a tier (and a
