@@ -4,11 +4,13 @@ each request. The connector's tests (tests/integrations) and benchmark run it as
 
     .venv-vllm/bin/python scripts/vllm_driver.py MODEL_DIR CONFIG_JSON|@FILE
 CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "recompute",
-              "prompts": [[ids], ...], "max_tokens": 8, "dtype": "float32",
+              "prompts": [[ids] | {"after": i, "extra": [ids]}, ...] (a follow-up to prompt
+              i: it, its output, then extra), "max_tokens": 8, "dtype": "float32",
               "concurrent": [[ids], ...] (sent at once, before "prompts"), "max_num_seqs": 4,
               "salts": [str | null, ...] (a cache_salt per prompt),
               "kv_bytes_per_block": N (per worker rank), "metrics": true,
-              "tensor_parallel_size": 1, "hybrid": false (true: vLLM decides on its hybrid KV allocator),
+              "tensor_parallel_size": 1,
+              "hybrid": false (true: vLLM decides on its hybrid KV allocator),
               "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
@@ -68,7 +70,13 @@ def main() -> int:
                     for r in done]
     out = []
     salts = spec.get("salts") or [None] * len(spec["prompts"])  # per prompt: a cache_salt
-    for ids, salt in zip(spec["prompts"], salts):
+    sent: list[list[int]] = []  # each prompt as sent, for {"after": i} follow-ups
+    for entry, salt in zip(spec["prompts"], salts):
+        ids = entry
+        if isinstance(entry, dict):  # a follow-up: prompt i, what it generated, then more
+            i = entry["after"]
+            ids = sent[i] + out[i].get("tokens", []) + entry.get("extra", [])
+        sent.append(ids)
         t = time.perf_counter()
         prompt = TokensPrompt(prompt_token_ids=ids)
         if salt is not None:

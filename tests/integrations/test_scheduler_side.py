@@ -192,3 +192,25 @@ def test_a_request_finished_in_the_step_its_load_lands_is_told_it_was_restored()
     assert params["kvtier_residency"] == "host" and params["kvtier_restored_tokens"] == 12
     finish_jobs(s, jobs)
     assert s.take_stats()["restored_tokens"] == 12
+
+
+def test_a_finished_requests_window_at_its_final_boundary_is_stored_before_vllm_frees_it(
+        ) -> None:
+    s = side(slots=16, windows=(Window(8, 0, BS),))
+    tokens = list(range(10, 34))  # a 24-token prompt; decoding appends to the live list
+    blocks = list(range(1, 10))
+    s.matched_tokens("a", tokens, "", 0, len(tokens))
+    s.allocated("a", [blocks], 0)
+    finish_jobs(s, s.step([Scheduled("a", [blocks], 24)]))  # the prompt's window: 3, 4
+    tokens += list(range(90, 102))  # 12 tokens decoded: 36 computed at the end (35 + 1)
+    held = s.finish_windows("a", [[0, 0, 0, 4, 5, 6, 7, 8, 9]], 35)
+    assert held and s.take_sending() == ["a"]
+    [store] = s.step([])  # the next step copies blocks 6 and 7 (first_needed(8) = 6)
+    assert store.device_blocks == (7, 8)
+    finish_jobs(s, [store])
+    s.finished("a")
+    # the follow-up carries the output: the window group serves a hit of 8 blocks now
+    follow = [*tokens, 7, 7, 7]
+    assert s.matched_tokens("b", follow, "", 0, len(follow)) == 32
+    # nothing new to store for a request that ends at its prompt's boundary
+    assert not s.finish_windows("b", [[0] * 10], 24)

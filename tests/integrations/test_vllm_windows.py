@@ -33,19 +33,26 @@ def prompts(n_others: int) -> dict[str, list[int]]:
     return out
 
 
+# a follow-up to A: A, what A generated, and 40 tokens more (a second turn)
+FOLLOW_UP = {"after": 0, "extra": [11 + i % 400 for i in range(40)]}
+
+
 def serve(python: Path, model: Path, kind: str, n_others: int, blocks: int,
-          **spec: Any) -> dict[str, Any]:
-    p = prompts(n_others)
-    names = ["a", "a", *(f"x{i}" for i in range(n_others)), "a", "a'"]
+          follow_up: bool = False, **spec: Any) -> dict[str, Any]:
+    """A, A (vLLM's own hit: the reference), [A's follow-up (vLLM's own hit)], others that
+    evict A, A (from kvtier), A with a late token changed, [A's follow-up (from kvtier)]."""
+    p: dict[str, Any] = {**prompts(n_others), "f": FOLLOW_UP}
+    names = ["a", "a", *(["f"] if follow_up else []), *(f"x{i}" for i in range(n_others)),
+             "a", "a'", *(["f"] if follow_up else [])]
     return parse(run_vllm(python, model, {
         "connector": HOST, "blocks": blocks, "prompts": [p[n] for n in names],
         "block_size": BLOCK_SIZE, "kv_bytes_per_block": kv_bytes_per_block(kind),
-        "max_model_len": PROMPT + 3 * BLOCK_SIZE, "metrics": True, **spec},
+        "max_model_len": PROMPT + 4 * BLOCK_SIZE, "metrics": True, **spec},
         env=ONE_PROCESS).stdout)
 
 
-def check_exact_restore(run: dict[str, Any]) -> None:
-    r = run["results"]
+def check_exact_restore(run: dict[str, Any], follow_up: bool = False) -> None:
+    r = run["results"][:-1] if follow_up else run["results"]
     ref, again, changed = r[1], r[-2], r[-1]
     assert ref["cached"] == FULL and ref["kv_transfer_params"]["kvtier_restored_tokens"] == 0
     assert again["kv_transfer_params"]["kvtier_residency"] == "host"
@@ -59,14 +66,20 @@ def check_exact_restore(run: dict[str, Any]) -> None:
 def test_mistral_style_window_restores_only_the_window_exactly(
         vllm_python: Path, tiny_hf: Callable[[str], Path]) -> None:
     # every layer windowed: vLLM keeps ~3 blocks a request, so six others evict A's window
-    run = serve(vllm_python, tiny_hf("mistral"), "mistral", n_others=6, blocks=16)
+    run = serve(vllm_python, tiny_hf("mistral"), "mistral", n_others=6, blocks=16,
+                follow_up=True)
     window_blocks = WINDOW // BLOCK_SIZE
-    check_exact_restore(run)
+    check_exact_restore(run, follow_up=True)
     m = run["metrics"]
-    # stored per prompt: its window before its hit boundary, not its 9 full blocks
-    assert m["vllm:kvtier_stored_blocks"] <= window_blocks * 8
-    # only the window was loaded
-    assert m["vllm:kvtier_restore_bytes"] == window_blocks * kv_bytes_per_block("mistral")
+    # stored per prompt: its window before its prompt's boundary and before its final one
+    # (the last one filled while it generated), not its 10 full blocks
+    assert m["vllm:kvtier_stored_blocks"] <= 2 * window_blocks * 9
+    # A's second turn carries what A generated: its window at A's final boundary (stored
+    # when A finished, vLLM holding the blocks until then) serves it past A's prompt
+    ref, again = run["results"][2], run["results"][-1]
+    assert again["kv_transfer_params"]["kvtier_residency"] == "host"
+    assert again["cached"] >= PROMPT + BLOCK_SIZE > FULL
+    assert again["tokens"] == ref["tokens"] and again["logprobs"] == ref["logprobs"]
 
 
 def test_gemma3_under_the_hybrid_allocator_restores_every_group_exactly(

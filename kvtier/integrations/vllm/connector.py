@@ -77,6 +77,8 @@ class KvtierMetadata(KVConnectorMetadata):
 
     jobs: tuple[Job, ...] = ()
     invalid: tuple[int, ...] = ()
+    # finished requests whose last stores are among `jobs`: done once this step has saved
+    sending: tuple[str, ...] = ()
 
 
 @dataclass
@@ -184,8 +186,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         scheduled = [Scheduled(rid, self._blocks[rid], self._requests[rid].num_computed_tokens + n)
                      for rid, n in scheduler_output.num_scheduled_tokens.items()
                      if rid in self._requests and rid in self._blocks]
+        sending = tuple(self.scheduler.take_sending())  # their stores are in this step's jobs
         jobs = tuple(self.scheduler.step(scheduled))
-        return KvtierMetadata(jobs, tuple(sorted(self.scheduler.take_invalid())))
+        return KvtierMetadata(jobs, tuple(sorted(self.scheduler.take_invalid())), sending)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -202,15 +205,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """Every group's blocks are stored as they fill: nothing is left to copy, so vLLM
-        may free them now."""
+        """Full blocks are stored as they fill; a sliding-window group's window before the
+        request's final boundary is stored in the next step, and vLLM holds those blocks
+        until the worker says the copies are done (`get_finished`)."""
         assert self.scheduler is not None
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        hold = self.scheduler.finish_windows(request.request_id, block_ids,
+                                             request.num_computed_tokens)
         params = self.scheduler.finished(request.request_id)
         if not self.settings.enable_residency_details:
             params = {}  # where another tenant's prefix lived is nobody else's business
-        return False, params or None  # stores are done by now: the blocks may be freed
+        return hold, params or None
 
     def has_pending_push_work(self) -> bool:
         """Jobs decided or running (writes on to disk and Redis): keep vLLM stepping."""
@@ -263,7 +269,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvtierMetadata):
-                self.worker_side.save(meta.jobs)
+                self.worker_side.save(meta.jobs, meta.sending)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose held blocks this worker has copied: vLLM may free them."""
+        if self.worker_side is None:
+            return None, None
+        return self.worker_side.take_sent() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors() if self.worker_side is not None else set()

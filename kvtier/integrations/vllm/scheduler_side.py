@@ -24,8 +24,9 @@ chain; each group's blocks are keyed apart (`group_key`), since each holds other
 A full-attention group needs every block of a hit; a sliding-window group (`Window`) only those
 the next token still reads, `[first_needed(n), n)` of a hit of n blocks, vLLM's null block
 before them. Per request kvtier stores a window group's window before the prompt's own hit
-boundary (bounded by the window, not the prompt), and offers the longest hit every group can
-serve whole. Should vLLM's allocation ever disagree with that rule, the request's blocks are
+boundary, and at the request's end the window before its final boundary (`finish_windows`:
+vLLM holds those blocks until the next step has copied them): bounded by the window, not the
+prompt. It offers the longest hit every group can serve whole. Should vLLM's allocation ever disagree with that rule, the request's blocks are
 reported as load errors (`take_invalid`), so vLLM recomputes them: never a block read that
 was not loaded.
 """
@@ -100,6 +101,7 @@ class SchedulerSide:
         self.tags = [b"" if len(windows) == 1 else f"group={g}".encode()
                      for g in range(len(windows))]
         self._invalid: set[int] = set()  # device blocks vLLM must recompute (take_invalid)
+        self._sending: list[str] = []  # finished requests whose blocks vLLM holds for us
         self.requests: dict[str, _Request] = {}
         self._counts: Counter[str] = Counter()  # since the last take_stats
         # load job -> its request, the tokens it spares vLLM, its blocks per group
@@ -201,6 +203,40 @@ class SchedulerSide:
         for g, i in need:
             firsts[g] = min(firsts.get(g, i), i)
         return all(not any(block_ids[g][d:first]) for g, first in firsts.items())
+
+    def finish_windows(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                       computed: int) -> bool:
+        """A finished request's window blocks before its final boundary (filled during
+        decode, so a follow-up that carries the output hits there too): stored in the next
+        step, so vLLM must keep them until then (True; `take_sending` names the request)."""
+        st = self.requests.get(request_id)
+        if st is None or self._partial_ok:
+            return False
+        bs = self.block_size
+        end = min(computed, len(st.tokens)) // bs
+        prompt_end = (st.prompt_len - 1) // bs
+        if end <= prompt_end:
+            return False
+        self._keys(st, end)
+        kept = [(g, i) for g, w in enumerate(self.windows) if w is not None
+                for i in range(w.first_needed(end), end)
+                if i < len(block_ids[g]) and block_ids[g][i]
+                and not self._kept(st, g, i)]
+        if not kept:
+            return False
+        blocks = self.manager.store([block_ids[g][i] for g, i in kept],
+                                    [st.group_keys[g][i] for g, i in kept],
+                                    [self._chunk(st, i) for _, i in kept])
+        if not blocks:  # on host already, or no room: nothing to wait for
+            return False
+        self._sending.append(request_id)
+        return True
+
+    def take_sending(self) -> list[str]:
+        """Requests whose final window stores are among the jobs `step` returns next: the
+        worker reports them finished once those copies are done (vLLM frees the blocks)."""
+        sending, self._sending = self._sending, []
+        return sending
 
     def take_invalid(self) -> set[int]:
         """Device blocks vLLM believes restored but kvtier did not load (see module doc)."""

@@ -126,6 +126,7 @@ class WorkerSide:
         self.worker: TierWorker | None = None
         self._results: list[Result] = []
         self._load_errors: set[int] = set()
+        self._sent: set[str] = set()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         layout = self.expected.check(kv_caches)
@@ -152,9 +153,17 @@ class WorkerSide:
         for job in below:
             self.worker.submit(job)
 
-    def save(self, jobs: Sequence[Job]) -> None:
-        """Device -> host jobs of blocks this step filled, complete before vLLM may reuse them."""
+    def save(self, jobs: Sequence[Job], sending: Sequence[str] = ()) -> None:
+        """Device -> host jobs of blocks this step filled, complete before vLLM may reuse them;
+        `sending`: finished requests whose held blocks those jobs copied (`take_sent`)."""
         self._run([j for j in jobs if j.src is Medium.DEVICE])
+        self._sent.update(sending)
+
+    def take_sent(self) -> set[str]:
+        """Finished requests whose held blocks are copied (or failed: not served), for vLLM
+        to free."""
+        sent, self._sent = self._sent, set()
+        return sent
 
     def _run(self, jobs: Sequence[Job]) -> None:
         if not jobs:
