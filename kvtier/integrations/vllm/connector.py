@@ -361,6 +361,11 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
                               0)
     slot_bytes = host_slot_nbytes(nbytes, expected.coded_shape, config.kv_offload_dtype or "")
+    if share.kv_offloading_size * GIB < slot_bytes:
+        raise ConfigError(
+            f"kv_offloading_size={config.kv_offloading_size:g} GiB holds no block: over "
+            f"{split.world_size} rank(s) each gets {share.kv_offloading_size:g} GiB, and one "
+            f"block of one rank is {slot_bytes} bytes; raise it")
     expected = replace(expected, host_slots=host_slot_count(share.kv_offloading_size,
                                                             slot_bytes))
     model = vllm_config.model_config

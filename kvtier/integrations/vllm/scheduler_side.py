@@ -26,9 +26,9 @@ the next token still reads, `[first_needed(n), n)` of a hit of n blocks, vLLM's 
 before them. Per request kvtier stores a window group's window before the prompt's own hit
 boundary, and at the request's end the window before its final boundary (`finish_windows`:
 vLLM holds those blocks until the next step has copied them): bounded by the window, not the
-prompt. It offers the longest hit every group can serve whole. Should vLLM's allocation ever disagree with that rule, the request's blocks are
-reported as load errors (`take_invalid`), so vLLM recomputes them: never a block read that
-was not loaded.
+prompt. It offers the longest hit every group can serve whole. Should vLLM's allocation
+ever disagree with that rule, the request's blocks are reported as load errors
+(`take_invalid`), so vLLM recomputes them: never a block read that was not loaded.
 """
 
 from __future__ import annotations
