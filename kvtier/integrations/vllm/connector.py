@@ -11,6 +11,9 @@ worker process a `TierWorker` (`WorkerSide`: the host pool, the disk file, the R
 joined by this step's jobs in the connector metadata and their results in the worker
 metadata. vLLM keeps stepping while jobs are outstanding (`has_pending_push_work`), so the
 write-on of a finished request's blocks to disk and Redis lands even when nothing follows.
+Under tensor parallelism every rank's worker side keeps its own heads (`parallel.py`) and
+the scheduler combines each job's ranks (`ranks.py`); under vLLM's hybrid allocator each KV
+cache group keeps its own blocks, a sliding window only its window (`groups.py`).
 """
 
 from __future__ import annotations
