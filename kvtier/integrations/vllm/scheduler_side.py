@@ -151,10 +151,11 @@ class SchedulerSide:
         return need
 
     def _whole_end(self, st: _Request, d: int, last: int) -> int:
-        """The longest hit every group's blocks of which the host holds whole (probed
-        without side effects); `last` when none: the lookup then asks below host for it."""
+        """The longest hit every group's blocks of which the host or the local disk holds
+        whole (probed without side effects: `match` then verifies them, and fetches what is
+        on disk); `last` when none: the lookup then asks every tier below host for it."""
         held = {(g, i) for g in range(len(self.windows)) for i in range(d, last)
-                if self.manager.host_hits([st.group_keys[g][i]], [self._chunk(st, i)])}
+                if self.manager.holds(st.group_keys[g][i])}
         for end in range(last, d, -1):
             if all(gi in held for gi in self._needed(d, end)):
                 return end
