@@ -154,10 +154,23 @@ class SchedulerSide:
         """The longest hit every group's blocks of which the host or the local disk holds
         whole (probed without side effects: `match` then verifies them, and fetches what is
         on disk); `last` when none: the lookup then asks every tier below host for it."""
-        held = {(g, i) for g in range(len(self.windows)) for i in range(d, last)
-                if self.manager.holds(st.group_keys[g][i])}
-        for end in range(last, d, -1):
-            if all(gi in held for gi in self._needed(d, end)):
+        known: dict[tuple[int, int], bool] = {}
+
+        def held(g: int, i: int) -> bool:
+            if (g, i) not in known:
+                known[g, i] = self.manager.holds(st.group_keys[g][i])
+            return known[g, i]
+
+        top = last  # full-attention groups bound the hit by their leading held run
+        for g, w in enumerate(self.windows):
+            if w is None:
+                run = d
+                while run < top and held(g, run):
+                    run += 1
+                top = run
+        for end in range(top, d, -1):  # each window group needs only its window before end
+            if all(held(g, i) for g, w in enumerate(self.windows) if w is not None
+                   for i in range(max(d, w.first_needed(end)), end)):
                 return end
         return last
 
