@@ -28,7 +28,7 @@ from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
 from kvtier.tier.knobs import check_bounds, check_types
-from kvtier.tier.layout import KVLayout
+from kvtier.tier.layout import KVLayout, heads_first_coded_shape
 from kvtier.tier.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
@@ -86,6 +86,7 @@ __all__ = [
     "check_fits",
     "check_types",
     "hash_blocks",
+    "heads_first_coded_shape",
     "host_slot_count",
     "host_slot_nbytes",
     "is_swap_key",

@@ -105,8 +105,7 @@ class KVLayout:
         if self.contiguous:
             return self.block_shape
         if self.heads_first:
-            heads, tokens, width = self.layer_block_shape
-            return (self.num_layers, tokens, 2, heads, width // 2)
+            return heads_first_coded_shape(self.num_layers, self.layer_block_shape)
         return None
 
     def layer_view(self, layer: int) -> Any:
@@ -134,6 +133,15 @@ def _in_layer_order(layers: Mapping[str, Any]) -> list[Any]:
     if len({i for i, _ in indexed}) != len(indexed):
         return list(layers.values())
     return [layers[name] for _, name in sorted(indexed)]
+
+
+def heads_first_coded_shape(num_layers: int, layer_block_shape: tuple[int, ...]
+                            ) -> tuple[int, ...]:
+    """A block of heads-first layers ([num_kv_heads, block_size, 2 * head_dim] each) as the
+    8-bit codec reads it, [num_layers, block_size, 2, num_kv_heads, head_dim]: one rule for
+    the worker, which has the tensors, and the scheduler, which sizes slots without them."""
+    heads, tokens, width = layer_block_shape
+    return (num_layers, tokens, 2, heads, width // 2)
 
 
 def as_layout(device: Any) -> KVLayout:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,6 +57,7 @@ from kvtier.tier import (
     TierConfig,
     build_scheduler_side,
     check_fits,
+    heads_first_coded_shape,
     host_slot_count,
     host_slot_nbytes,
 )
@@ -361,16 +362,18 @@ def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         raise ConfigError(f"kv_offload_dtype={config.kv_offload_dtype} needs K and V of one "
                           f"head size (this model's are {spec.head_size} and "
                           f"{width - int(spec.head_size)}); unset it")
+    slot_bytes = host_slot_nbytes(nbytes, heads_first_coded_shape(len(layers), layer_block_shape),
+                                  config.kv_offload_dtype or "")
+    try:
+        host_slots = host_slot_count(share.kv_offloading_size, slot_bytes)
+    except ConfigError as e:
+        if split.world_size == 1:
+            raise
+        raise ConfigError(f"{e} (kv_offloading_size={config.kv_offloading_size:g} GiB is the "
+                          f"total over {split.world_size} ranks: each gets 1/"
+                          f"{split.world_size})") from None
     expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
-                              0)
-    slot_bytes = host_slot_nbytes(nbytes, expected.coded_shape, config.kv_offload_dtype or "")
-    if share.kv_offloading_size * GIB < slot_bytes:
-        raise ConfigError(
-            f"kv_offloading_size={config.kv_offloading_size:g} GiB holds no block: over "
-            f"{split.world_size} rank(s) each gets {share.kv_offloading_size:g} GiB, and one "
-            f"block of one rank is {slot_bytes} bytes; raise it")
-    expected = replace(expected, host_slots=host_slot_count(share.kv_offloading_size,
-                                                            slot_bytes))
+                              host_slots)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"

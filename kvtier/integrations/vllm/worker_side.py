@@ -32,6 +32,7 @@ from kvtier.tier import (
     TierConfig,
     TierWorker,
     build_worker_side,
+    heads_first_coded_shape,
 )
 
 
@@ -87,8 +88,7 @@ class ExpectedLayout:
     def coded_shape(self) -> tuple[int, ...]:
         """A block as kvtier's 8-bit codec reads it: [layers, block_size, 2, heads, head_dim]
         (the scheduler sizes 8-bit host slots by it without the tensors)."""
-        heads, tokens, width = self.layer_block_shape
-        return (len(self.layers), tokens, 2, heads, width // 2)
+        return heads_first_coded_shape(len(self.layers), self.layer_block_shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
