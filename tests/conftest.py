@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kvtier.engine.llm_engine import LLMEngine
     from kvtier.output import RequestOutput
 
-pytest_plugins = ["redis_server"]
+pytest_plugins = ["redis_server", "redis_cluster"]
 
 # CI replays the same examples every run (a failure there is reproducible from the log);
 # local runs keep exploring new ones.

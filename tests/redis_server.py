@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -56,9 +56,11 @@ def redis_server_binary() -> str:
 class RedisServer:
     """One redis-server child on 127.0.0.1; `stop()` then `start()` reuses the same port."""
 
-    def __init__(self, binary: str, password: str | None = None) -> None:
+    def __init__(self, binary: str, password: str | None = None,
+                 args: Sequence[str] = ()) -> None:
         self.binary = binary
         self.password = password
+        self.args = tuple(args)  # more server options (a cluster node's)
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
         self.log_path = self.dir / "redis.log"
@@ -80,7 +82,7 @@ class RedisServer:
             return
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--appendonly", "no",
-                "--daemonize", "no", "--loglevel", "warning"]
+                "--daemonize", "no", "--loglevel", "warning", *self.args]
         if self.password:
             args += ["--requirepass", self.password]
         self._log = self.log_path.open("ab")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
+from kvtier.tier.redis_url import is_cluster_url, validate_url
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
 MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
@@ -85,7 +86,13 @@ class TierConfig:
     # Tiers below host memory, staged through it (device -> host -> disk or Redis and back).
     disk_kv_path: str | None = None  # directory of the disk tier's slot file (created 0700)
     disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
-    remote_kv_url: str | None = None  # redis://[:password@]host:port[/db], shared by processes
+    # redis://[:password@]host:port[/db] (one server) or redis-cluster://h1:p1,h2:p2 (a Redis
+    # Cluster / Valkey cluster), shared by processes
+    remote_kv_url: str | None = None
+    # Cluster only: reads go to replicas too (safe: blocks are immutable and verified, a
+    # lagging replica can only lack one), which also serves a dead master's keys until its
+    # replica is promoted.
+    remote_kv_read_replicas: bool = False
     remote_kv_ttl_s: float | None = None  # expire remote blocks after this long; None = never
     # The remote tier's MAC secret (>= 16 bytes, the same on every instance sharing the store):
     # a fetched block counts only with a valid MAC under it. Prefer the file (read when the
@@ -153,6 +160,12 @@ class TierConfig:
             raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
         if self.remote_kv_ttl_s is not None and not self.remote_kv_url:
             raise ConfigError("remote_kv_ttl_s is set but remote_kv_url is not")
+        if self.remote_kv_url is not None:
+            validate_url(self.remote_kv_url)
+        if self.remote_kv_read_replicas and not (self.remote_kv_url
+                                                 and is_cluster_url(self.remote_kv_url)):
+            raise ConfigError("remote_kv_read_replicas reads a cluster's replicas: set "
+                              "remote_kv_url=redis-cluster://host:port,... as well")
         self._validate_secret()
         if (self.disk_enabled or self.remote_enabled) and not self.enabled:
             raise ConfigError(

@@ -28,6 +28,7 @@ from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
+from kvtier.tier.redis_url import is_cluster_url
 from kvtier.tier.worker.block_mac import BlockMac
 from kvtier.tier.worker.codec import encoded_nbytes
 from kvtier.tier.worker.disk_open import open_disk, read_disk_index
@@ -39,7 +40,7 @@ from kvtier.tier.worker.stores import DiskBlocks, RemoteBlocks, SecondaryStore
 from kvtier.tier.worker.worker import TierWorker
 
 if TYPE_CHECKING:
-    from kvtier.tier.worker.redis_store import RedisStore
+    from kvtier.tier.worker.remote_store import KeyValueStore
 
 log = logging.getLogger(__name__)
 DISK, REMOTE = Medium.DISK.value, Medium.REMOTE.value
@@ -177,7 +178,7 @@ def _disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int,
     return DiskBlocks(store, config.disk_kv_max_gbps), index
 
 
-def _presence(store: RedisStore, undo: ExitStack) -> RemoteTier:
+def _presence(store: KeyValueStore, undo: ExitStack) -> RemoteTier:
     """The remote tier's index: presence asked of `store` on a thread of its own."""
     tier = RemoteTier(RemotePresence(store.exists_many))
     undo.callback(tier.close)
@@ -193,14 +194,22 @@ def _disk_rate(config: TierConfig, slot_bytes: int) -> float:
 
 
 def _open_remote(config: TierConfig, namespace: bytes, undo: ExitStack, mac: BlockMac | None
-                 ) -> RedisStore | None:
+                 ) -> KeyValueStore | None:
     if not config.remote_enabled:
         return None
-    from kvtier.tier.worker.redis_store import RedisStore  # the client only if used
-
     if mac is not None:  # another secret, another key space: never found, never deleted
         namespace = mac.store_namespace(namespace)
-    store = RedisStore(str(config.remote_kv_url), namespace, config.remote_kv_ttl_s)
+    url = str(config.remote_kv_url)
+    store: KeyValueStore
+    if is_cluster_url(url):  # the clients only if used
+        from kvtier.tier.worker.redis_cluster_store import ClusterStore
+
+        store = ClusterStore(url, namespace, config.remote_kv_ttl_s,
+                             read_replicas=config.remote_kv_read_replicas)
+    else:
+        from kvtier.tier.worker.redis_store import RedisStore
+
+        store = RedisStore(url, namespace, config.remote_kv_ttl_s)
     undo.callback(store.close)
     return store
 

@@ -25,7 +25,7 @@ from kvtier.tier.worker.link import TransferEngine
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 if TYPE_CHECKING:
-    from kvtier.tier.worker.redis_store import RedisStore
+    from kvtier.tier.worker.remote_store import KeyValueStore
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _timed_read(path: Path, payload: bytes, blocks: int) -> float:
     return blocks * block_bytes / max(seconds, 1e-9) / 1e9
 
 
-def remote_rate(store: RedisStore, block_bytes: int, configured: float | None) -> float:
+def remote_rate(store: KeyValueStore, block_bytes: int, configured: float | None) -> float:
     """The planner's starting Redis read rate; bad credentials fail here, at start
     (ConfigError), while an unreachable server only warns: serving goes on without it."""
     try:
@@ -112,7 +112,7 @@ def remote_rate(store: RedisStore, block_bytes: int, configured: float | None) -
     return configured or measure_remote_gbps(store, block_bytes)
 
 
-def measure_remote_gbps(store: RedisStore, block_bytes: int) -> float:
+def measure_remote_gbps(store: KeyValueStore, block_bytes: int) -> float:
     """Read GB/s from Redis (a batched get of a few blocks put under scratch keys, timed
     after one warm-up get)."""
     keys = [b"calibration:%d:%d" % (os.getpid(), i) for i in range(CALIBRATION_BLOCKS)]

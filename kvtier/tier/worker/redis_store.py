@@ -12,10 +12,8 @@ configurations sharing one server never read each other's blocks.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -23,72 +21,40 @@ from redis.exceptions import NoPermissionError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.tier.redis_url import ACCEPTED_URLS, mask_url, validate_url
+from kvtier.tier.worker.breaker import Breaker
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
-ACCEPTED_URLS = ("redis://[[user]:password@]host[:port][/db], rediss://... (TLS) "
-                 "or unix:///path/to/socket")
-# Query parameters a URL may carry; anything else (timeouts, retries) is kvtier's to set.
-URL_QUERY_KEYS = frozenset({"db", "username", "password", "client_name", "ssl_cert_reqs",
-                            "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"})
 NAMESPACE_BYTES = 16
 
 T = TypeVar("T")
 
 
-def mask_url(url: str) -> str:
-    """`url` with any password replaced by `***`; safe on malformed URLs too."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    # Credentials end at the last '@' (a password may hold one); unix:///a@b is a path.
-    if "@" in rest and not (scheme == "unix" and rest.startswith("/")):
-        userinfo, _, rest = rest.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        # Without a colon the userinfo may be a password typed where a user goes: hide it all.
-        rest = f"{user}:***@{rest}" if colon else f"***@{rest}"
-    base, qsep, query = rest.partition("?")
-    if qsep:
-        fields = query.split("&")
-        for i, field in enumerate(fields):
-            if field.partition("=")[0].lower() == "password":
-                fields[i] = "password=***"
-        rest = f"{base}?{'&'.join(fields)}"
-    return f"{scheme}{sep}{rest}"
+def check_store_args(namespace: bytes, ttl_s: float | None, timeout_s: float,
+                     retry_after_s: float) -> None:
+    """ConfigError for a knob no remote store can work with."""
+    if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
+        raise ConfigError(f"remote tier namespace must be a {NAMESPACE_BYTES}-byte digest, "
+                          f"got {namespace!r}")
+    if ttl_s is not None and not ttl_s > 0:
+        raise ConfigError(f"remote tier TTL must be positive seconds or unset, got {ttl_s}")
+    if not timeout_s > 0:
+        raise ConfigError(f"remote tier timeout must be positive seconds, got {timeout_s}")
+    if not retry_after_s >= 0:
+        raise ConfigError(f"remote tier retry_after_s must be >= 0, got {retry_after_s}")
 
 
-def validate_url(url: str) -> None:
-    """ConfigError (password masked) unless `url` is one of the accepted forms."""
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"invalid Redis URL {mask_url(url)!r}: {why}; "
-                           f"expected {ACCEPTED_URLS}")
+def key_prefix(namespace: bytes) -> bytes:
+    """Every block key of one namespace starts with this (one Redis key per block)."""
+    return b"kvtier:" + namespace.hex().encode() + b":"
 
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"invalid Redis URL {url!r}: expected {ACCEPTED_URLS}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise bad(str(e)) from None
-    if parts.scheme not in ("redis", "rediss", "unix") or "://" not in url:
-        raise bad("unsupported scheme")
-    if parts.fragment:
-        raise bad("unexpected '#' fragment")
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in URL_QUERY_KEYS:
-            raise bad(f"unsupported query parameter {key!r}")
-        if key == "db" and not value.isdigit():
-            raise bad("the db must be a number")
-    if parts.scheme == "unix":
-        if not parts.path or parts.path == "/":
-            raise bad("no socket path")
-        return
-    if not parts.hostname:
-        raise bad("no host")
-    if port == 0:
-        raise bad("port 0")
-    db = parts.path.lstrip("/")
-    if (db and not db.isdigit()) or parts.path.count("/") > 1:
-        raise bad("the path must be a database number, as in /0")
+
+def ttl_ms(ttl_s: float | None) -> int | None:
+    return None if ttl_s is None else max(1, round(ttl_s * 1000))
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 class RedisStore:
@@ -97,19 +63,10 @@ class RedisStore:
     def __init__(self, url: str, namespace: bytes, ttl_s: float | None = None,
                  timeout_s: float = 0.5, retry_after_s: float = 1.0) -> None:
         validate_url(url)
-        if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
-            raise ConfigError(f"remote tier namespace must be a {NAMESPACE_BYTES}-byte digest, "
-                              f"got {namespace!r}")
-        if ttl_s is not None and not ttl_s > 0:
-            raise ConfigError(f"remote tier TTL must be positive seconds or unset, got {ttl_s}")
-        if not timeout_s > 0:
-            raise ConfigError(f"remote tier timeout must be positive seconds, got {timeout_s}")
-        if not retry_after_s >= 0:
-            raise ConfigError(f"remote tier retry_after_s must be >= 0, got {retry_after_s}")
+        check_store_args(namespace, ttl_s, timeout_s, retry_after_s)
         self._url_for_log = mask_url(url)
-        self._prefix = b"kvtier:" + namespace.hex().encode() + b":"
-        self._px = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self._retry_after_s = retry_after_s
+        self._prefix = key_prefix(namespace)
+        self._px = ttl_ms(ttl_s)
         # One immediate retry on a broken connection only: a pooled socket left stale by a
         # server restart reconnects at once, while a timeout is never paid twice.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
@@ -119,9 +76,8 @@ class RedisStore:
         except ValueError as e:
             raise ConfigError(f"invalid Redis URL {self._url_for_log!r}: {e}; "
                               f"expected {ACCEPTED_URLS}") from None
+        self._breaker = Breaker(retry_after_s)
         self._lock = threading.Lock()
-        self._open_until: float | None = None  # circuit open until this monotonic time
-        self._probing = False  # one caller is trying the server after the window
         self.errors = 0
         self.last_error = ""
 
@@ -133,9 +89,10 @@ class RedisStore:
         """The Redis key of one block in this store's namespace."""
         return self._prefix + block_key.hex().encode()
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
+        """Per item None once stored (one server: the batch fails whole, by raising)."""
         if not items:
-            return
+            return []
 
         def put(client: redis.Redis) -> None:
             pipe = client.pipeline(transaction=False)
@@ -144,8 +101,10 @@ class RedisStore:
             pipe.execute()
 
         self._call("put", put)
+        return [None] * len(items)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
+        """Per key its value or None (absent); RemoteUnavailable raised for the batch."""
         if not keys:
             return []
         names = [self.key(k) for k in keys]
@@ -185,51 +144,47 @@ class RedisStore:
     def close(self) -> None:
         self._client.close()
 
+    def describe(self) -> dict[str, Any]:
+        return {"errors": self.errors, "last_error": self.last_error, "url": self.url_for_log}
+
     def _call(self, what: str, op: Callable[[redis.Redis], T]) -> T:
-        with self._lock:
-            if self._open_until is not None:
-                now = time.monotonic()
-                if now < self._open_until or self._probing:
-                    wait = max(0.0, self._open_until - now)
-                    raise RemoteUnavailable(
-                        f"remote tier {self._url_for_log} unavailable (retry in {wait:.1f}s): "
-                        f"{self.last_error}")
-                self._probing = True
+        if not self._breaker.allow():
+            raise RemoteUnavailable(
+                f"remote tier {self._url_for_log} unavailable (retry in "
+                f"{self._breaker.retry_in():.1f}s): {self.last_error}")
         try:
             result = op(self._client)
         except redis.DataError:
+            self._breaker.released()
             raise  # a value redis-py cannot encode: the caller's bug, not an outage
         except (redis.AuthenticationError, NoPermissionError) as e:
-            self._record(e, open_circuit=False)
-            raise ConfigError(self._auth_message(e)) from None
+            self._breaker.released()
+            self._record(e)
+            raise ConfigError(auth_message(f"Redis at {self._url_for_log}", e)) from None
         except (redis.RedisError, OSError) as e:
-            reason = self._record(e, open_circuit=True)
+            self._breaker.failed()
+            reason = self._record(e)
             raise RemoteUnavailable(f"remote tier {self._url_for_log} {what} failed: "
                                     f"{reason}") from e
-        finally:
-            with self._lock:
-                self._probing = False
-        with self._lock:
-            self._open_until = None
+        self._breaker.succeeded()
         return result
 
-    def _record(self, e: BaseException, open_circuit: bool) -> str:
-        reason = " ".join(f"{type(e).__name__}: {e}".split())
+    def _record(self, e: BaseException) -> str:
+        reason = one_line(e)
         with self._lock:
             self.errors += 1
             self.last_error = reason
-            if open_circuit:
-                self._open_until = time.monotonic() + self._retry_after_s
         return reason
 
-    def _auth_message(self, e: BaseException) -> str:
-        text = str(e)
-        where = f"Redis at {self._url_for_log}"
-        if "without any password" in text or "no password is set" in text:
-            return f"{where} has no password set: remove the password from the URL"
-        if "Authentication required" in text or "already authenticated" in text:
-            return (f"{where} requires a password: put it in the URL, as in "
-                    f"redis://:PASSWORD@host:port/0")
-        if isinstance(e, NoPermissionError):
-            return f"{where}: the user in the URL lacks a permission kvtier needs ({text})"
-        return f"{where} rejected the credentials in the URL ({text}): check user and password"
+
+def auth_message(where: str, e: BaseException) -> str:
+    """What to fix when the server refused the URL's credentials (never the password)."""
+    text = str(e)
+    if "without any password" in text or "no password is set" in text:
+        return f"{where} has no password set: remove the password from the URL"
+    if "Authentication required" in text or "already authenticated" in text:
+        return (f"{where} requires a password: put it in the URL, as in "
+                f"redis://:PASSWORD@host:port/0")
+    if isinstance(e, NoPermissionError):
+        return f"{where}: the user in the URL lacks a permission kvtier needs ({text})"
+    return f"{where} rejected the credentials in the URL ({text}): check user and password"

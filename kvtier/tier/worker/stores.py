@@ -27,7 +27,7 @@ from kvtier.tier.worker.unavailable import RemoteUnavailable
 if TYPE_CHECKING:
     from kvtier.tier.worker.block_mac import BlockMac
     from kvtier.tier.worker.disk_store import DiskStore
-    from kvtier.tier.worker.redis_store import RedisStore
+    from kvtier.tier.worker.remote_store import KeyValueStore
 
 # Redis round trips carry at most this many bytes: one huge MGET is slower to parse (measured
 # 0.66 vs 1.0 GB/s for 64 vs 16 blocks of 737 KB) and a single stall past the socket timeout
@@ -139,12 +139,12 @@ class DiskBlocks:
 
 
 class RemoteBlocks:
-    """A `RedisStore`'s keys, batched into bounded round trips; every block signed with `mac`
-    when the deployment has a secret."""
+    """A remote store's keys (one server or a cluster), batched into bounded round trips;
+    every block signed with `mac` when the deployment has a secret."""
 
     medium = Medium.REMOTE
 
-    def __init__(self, store: RedisStore, mac: BlockMac | None, slot_bytes: int) -> None:
+    def __init__(self, store: KeyValueStore, mac: BlockMac | None, slot_bytes: int) -> None:
         self.store, self.mac, self.slot_bytes = store, mac, slot_bytes
 
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
@@ -153,22 +153,31 @@ class RemoteBlocks:
         errors: list[OSError | StoreMiss | None] = [None] * len(items)
         for lo, hi in batches([len(p) for p in payloads]):
             try:
-                self.store.put_many(items[lo:hi])
+                outcomes = self.store.put_many(items[lo:hi])
             except RemoteUnavailable as e:  # this batch and every later one: not stored
                 errors[lo:] = [StoreMiss(Reason.UNAVAILABLE, str(e))] * (len(items) - lo)
                 break
+            for i, failed in enumerate(outcomes, lo):  # a cluster: one shard's keys only
+                if failed is not None:
+                    errors[i] = StoreMiss(Reason.UNAVAILABLE, str(failed))
         return errors
 
     def reads(self, keys: Sequence[BlockKey]) -> _RemoteReads:
         blobs: dict[BlockKey, bytes | None] = {}
+        errors: dict[BlockKey, str] = {}
         error = ""
         for lo, hi in batches([self.slot_bytes] * len(keys)):
             try:
-                blobs.update(zip(keys[lo:hi], self.store.get_many(keys[lo:hi])))
+                values = self.store.get_many(keys[lo:hi])
             except RemoteUnavailable as e:
                 error = str(e)
                 break  # the leading batches still serve; the rest is UNAVAILABLE
-        return _RemoteReads(blobs, error)
+            for key, value in zip(keys[lo:hi], values):
+                if isinstance(value, RemoteUnavailable):  # a cluster: that shard's keys only
+                    errors[key] = str(value)
+                else:
+                    blobs[key] = value
+        return _RemoteReads(blobs, errors, error)
 
     def discard(self, key: BlockKey, slot: int) -> None:
         # If Redis is down, the block stays wrong there and is checked (and refused) again.
@@ -182,22 +191,23 @@ class RemoteBlocks:
         self.store.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"errors": self.store.errors, "last_error": self.store.last_error,
-                "url": self.store.url_for_log}
+        return self.store.describe()
 
 
 class _RemoteReads:
-    """One job's blocks as the MGETs returned them (absent where a batch failed)."""
+    """One job's blocks as the batches returned them (absent where a batch or a shard
+    failed: `errors` says why per key, `error` for the batches never sent)."""
 
-    def __init__(self, blobs: dict[BlockKey, bytes | None], error: str) -> None:
-        self.blobs, self.error = blobs, error
+    def __init__(self, blobs: dict[BlockKey, bytes | None], errors: dict[BlockKey, str],
+                 error: str) -> None:
+        self.blobs, self.errors, self.error = blobs, errors, error
 
     def ready(self, key: BlockKey) -> bool:
         return self.blobs.get(key) is not None
 
     def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
         if key not in self.blobs:
-            raise StoreMiss(Reason.UNAVAILABLE, self.error)
+            raise StoreMiss(Reason.UNAVAILABLE, self.errors.get(key, self.error))
         blob = self.blobs[key]
         if blob is None:  # expired, evicted by Redis, or deleted since the lookup
             raise StoreMiss(Reason.MISSING, "absent")

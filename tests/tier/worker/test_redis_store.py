@@ -14,7 +14,8 @@ import redis
 from redis_server import RedisServer, free_port
 
 from kvtier.errors import ConfigError
-from kvtier.tier.worker.redis_store import RedisStore, mask_url
+from kvtier.tier.redis_url import mask_url
+from kvtier.tier.worker.redis_store import RedisStore
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 NS = bytes(range(16))

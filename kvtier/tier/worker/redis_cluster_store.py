@@ -1,0 +1,420 @@
+"""The remote tier's byte store on a Redis Cluster / Valkey cluster.
+
+Each batch is split by the node that owns each key's slot and sent as one pipeline per node,
+the nodes in parallel. A node that fails opens its own breaker: its keys are answered
+"unavailable" without network for `retry_after_s` while the other shards keep serving (one
+dead shard must not turn every batch into a miss, as one whole-batch pipeline would).
+Values are immutable and verified on every fetch, so reads from replicas are safe: a replica
+that lags can only lack a key. The client is built on first use, so the tier starts while the
+cluster is down and misses until it is up.
+
+Bound: a batch waits at most one socket timeout (`timeout_s`) per round of pipelines (nodes
+run in parallel), at most two rounds (the second follows MOVED/ASK redirects after a reshard
+or failover), plus a topology refresh at most once per `retry_after_s`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import AskError, MovedError, NoPermissionError, RedisClusterException
+from redis.retry import Retry
+
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.tier.redis_url import is_cluster_url, mask_url, parse_cluster_url
+from kvtier.tier.worker.breaker import Breaker
+from kvtier.tier.worker.redis_store import (
+    auth_message,
+    check_store_args,
+    key_prefix,
+    one_line,
+    ttl_ms,
+)
+from kvtier.tier.worker.unavailable import RemoteUnavailable
+
+log = logging.getLogger(__name__)
+
+MAX_PARALLEL_NODES = 8  # pipelines in flight at once, one per node
+TOPOLOGY_REFRESH_S = 10.0  # the slot map is re-read this often even when nothing failed
+# An outage of a node or of the whole cluster: a miss, never a crash (RedisClusterException
+# is not a RedisError).
+OUTAGES = (redis.RedisError, RedisClusterException, OSError)
+AUTH_ERRORS = (redis.AuthenticationError, NoPermissionError)
+EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+# Adds key i's command to a pipeline.
+Command = Callable[[Any, int], None]
+
+
+class ClusterStore:
+    """Batched byte store over a cluster: per-node pipelines, per-node breakers."""
+
+    def __init__(self, url: str, namespace: bytes, ttl_s: float | None = None,
+                 timeout_s: float = 0.5, retry_after_s: float = 1.0,
+                 read_replicas: bool = False) -> None:
+        if not isinstance(url, str) or not is_cluster_url(url):
+            raise ConfigError(f"a cluster URL starts with redis-cluster:// or "
+                              f"rediss-cluster://, got {mask_url(str(url))!r}")
+        self._spec = parse_cluster_url(url)
+        check_store_args(namespace, ttl_s, timeout_s, retry_after_s)
+        self._url_for_log = mask_url(url)
+        self._prefix = key_prefix(namespace)
+        self._px = ttl_ms(ttl_s)
+        self._timeout_s = timeout_s
+        self._retry_after_s = retry_after_s
+        self._read_replicas = read_replicas
+        self._lock = threading.Lock()
+        self._client: RedisCluster | None = None
+        self._building = False
+        self._reach = Breaker(retry_after_s)  # the cluster as a whole (building the client)
+        self._breakers: dict[str, Breaker] = {}  # node name -> its breaker
+        self._refreshed_at = 0.0
+        self._turn = itertools.count()  # spreads reads over a slot's nodes
+        self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="kvtier-cluster")
+        self.errors = 0
+        self.last_error = ""
+
+    @property
+    def url_for_log(self) -> str:
+        return self._url_for_log
+
+    def key(self, block_key: bytes) -> bytes:
+        """The key of one block in this store's namespace (no hash tag: blocks spread)."""
+        return self._prefix + block_key.hex().encode()
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
+        """Per item None once stored, or why its shard did not take it."""
+        names = [self.key(k) for k, _ in items]
+
+        def put(pipe: Any, i: int) -> None:
+            pipe.set(names[i], items[i][1], px=self._px)
+
+        out = self._batch("put", names, put, write=True)
+        return [v if isinstance(v, RemoteUnavailable) else None for v in out]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
+        """Per key its value, None (absent) or why its shard did not answer."""
+        names = [self.key(k) for k in keys]
+        return self._batch("get", names, lambda pipe, i: pipe.get(names[i]), write=False)
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        names = [self.key(k) for k in keys]
+        out = self._batch("exists", names, lambda pipe, i: pipe.exists(names[i]), write=False)
+        return [v is not None and not isinstance(v, RemoteUnavailable) and bool(v) for v in out]
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` were present (and are now gone); one DEL per key, since a
+        multi-key DEL must stay within one slot."""
+        names = [self.key(k) for k in keys]
+        out = self._batch("delete", names, lambda pipe, i: pipe.delete(names[i]), write=True)
+        return sum(v for v in out if isinstance(v, int))
+
+    def check(self) -> None:
+        """PING every master: ConfigError on bad credentials, RemoteUnavailable if none
+        answers; logs a warning for each server setting that would cost blocks or writes."""
+        client = self._cluster()
+        masters = client.get_primaries()
+        answers = self._on_nodes(client, masters, lambda conn: conn.ping())
+        if not any(a is True for a in answers.values()):
+            raise RemoteUnavailable(f"remote tier {self._url_for_log}: no master answered "
+                                    f"PING ({self.last_error})")
+        self._warn_settings(client, [n for n in masters if answers.get(n.name) is True])
+
+    def ping(self) -> bool:
+        """Whether some master answers now; never raises."""
+        try:
+            self.check()
+        except KvtierError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def describe(self) -> dict[str, Any]:
+        with self._lock:
+            down = sorted(name for name, b in self._breakers.items() if b.is_open)
+        return {"errors": self.errors, "last_error": self.last_error, "url": self.url_for_log,
+                "nodes_down": down}
+
+    # -- one batch -----------------------------------------------------------------------
+
+    def _batch(self, what: str, names: Sequence[bytes], command: Command,
+               write: bool) -> list[Any]:
+        """Per name the node's reply or a RemoteUnavailable (raised for the whole batch
+        only when no client can be built)."""
+        if not names:
+            return []
+        client = self._cluster()
+        if time.monotonic() - self._refreshed_at > TOPOLOGY_REFRESH_S:
+            self._refresh(client)  # replicas appear in CLUSTER SLOTS only once they hold data
+        out: list[Any] = [None] * len(names)
+        groups = self._route(client, range(len(names)), names, write, out)
+        redirects = self._send(client, what, groups, command, out, asking=set())
+        if redirects:  # the slot moved (reshard, failover): follow once, then give up
+            if any(isinstance(e, MovedError) for e in redirects.values()):
+                self._refresh(client)
+            groups, asking = self._redirected(client, redirects, out)
+            self._send(client, what, groups, command, out, asking)
+        return out
+
+    def _route(self, client: RedisCluster, indices: Sequence[int], names: Sequence[bytes],
+               write: bool, out: list[Any]) -> dict[str, tuple[ClusterNode, list[int]]]:
+        """Each key to a node of its slot whose breaker lets calls through (the master for
+        writes; with replica reads on, any of the slot's nodes, in turn); keys with none get
+        a RemoteUnavailable in `out`."""
+        slots = client.nodes_manager.slots_cache
+        allowed: dict[str, bool] = {}
+        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        for i in indices:
+            owners = slots.get(key_slot(names[i]))
+            if not owners:
+                out[i] = RemoteUnavailable(f"remote tier {self._url_for_log}: slot "
+                                           f"{key_slot(names[i])} is not served by any node")
+                continue
+            candidates = owners if self._read_replicas and not write else owners[:1]
+            node = self._pick(candidates, allowed)
+            if node is None:
+                breaker = self._breaker(owners[0].name)
+                out[i] = RemoteUnavailable(
+                    f"remote tier {self._url_for_log}: node {owners[0].name} unavailable "
+                    f"(retry in {breaker.retry_in():.1f}s): {self.last_error}")
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return groups
+
+    def _pick(self, candidates: Sequence[ClusterNode], allowed: dict[str, bool]
+              ) -> ClusterNode | None:
+        start = next(self._turn) % len(candidates) if len(candidates) > 1 else 0
+        for k in range(len(candidates)):
+            node = candidates[(start + k) % len(candidates)]
+            ok = allowed.get(node.name)
+            if ok is None:
+                ok = allowed[node.name] = self._breaker(node.name).allow()
+            if ok:
+                return node
+        return None
+
+    def _send(self, client: RedisCluster, what: str,
+              groups: dict[str, tuple[ClusterNode, list[int]]], command: Command,
+              out: list[Any], asking: set[int]) -> dict[int, MovedError | AskError]:
+        """One pipeline per node, in parallel; fills `out`; the redirected keys."""
+        def run(node: ClusterNode, indices: list[int]) -> list[Any]:
+            pipe = client.get_redis_connection(node).pipeline(transaction=False)
+            for i in indices:
+                if i in asking:
+                    pipe.execute_command("ASKING")
+                command(pipe, i)
+            replies = iter(pipe.execute(raise_on_error=False))
+            kept = []
+            for i in indices:
+                if i in asking:
+                    next(replies)  # ASKING's own OK
+                kept.append(next(replies))
+            return kept
+
+        jobs = list(groups.values())
+        if len(jobs) == 1:
+            results = [self._guarded(what, jobs[0][0], lambda: run(*jobs[0]))]
+        else:
+            futures = [self._pool.submit(self._guarded, what, node,
+                                         lambda n=node, ix=ix: run(n, ix))
+                       for node, ix in jobs]
+            results = [f.result() for f in futures]
+        redirects: dict[int, MovedError | AskError] = {}
+        failed_node = False
+        for (node, indices), replies in zip(jobs, results):
+            if isinstance(replies, RemoteUnavailable):
+                failed_node = True
+                for i in indices:
+                    out[i] = replies
+                continue
+            for i, reply in zip(indices, replies):
+                if isinstance(reply, (MovedError, AskError)):
+                    redirects[i] = reply
+                elif isinstance(reply, Exception):  # CLUSTERDOWN, TRYAGAIN, OOM...: this key
+                    out[i] = RemoteUnavailable(f"remote tier {self._url_for_log} {what} on "
+                                               f"{node.name}: {self._record(reply)}")
+                else:
+                    out[i] = reply
+        if failed_node:  # a master may have died: learn its successor for the next batch
+            self._refresh(client)
+        return redirects
+
+    def _guarded(self, what: str, node: ClusterNode, call: Callable[[], list[Any]]
+                 ) -> list[Any] | RemoteUnavailable:
+        """The node's replies; a RemoteUnavailable (its breaker opened) if it failed."""
+        breaker = self._breaker(node.name)
+        try:
+            replies = call()
+        except redis.DataError:
+            breaker.released()
+            raise  # a value redis-py cannot encode: the caller's bug, not an outage
+        except AUTH_ERRORS as e:
+            breaker.released()
+            self._record(e)
+            raise ConfigError(auth_message(f"Redis Cluster node {node.name}", e)) from None
+        except OUTAGES as e:
+            breaker.failed()
+            return RemoteUnavailable(f"remote tier {self._url_for_log} {what} on node "
+                                     f"{node.name} failed: {self._record(e)}")
+        breaker.succeeded()
+        return replies
+
+    def _redirected(self, client: RedisCluster, redirects: dict[int, MovedError | AskError],
+                    out: list[Any]) -> tuple[dict[str, tuple[ClusterNode, list[int]]], set[int]]:
+        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        asking: set[int] = set()
+        for i, e in redirects.items():
+            node = client.nodes_manager.get_node(host=e.host, port=e.port)
+            if node is None or self._breaker(node.name).is_open:
+                out[i] = RemoteUnavailable(f"remote tier {self._url_for_log}: slot {e.slot_id} "
+                                           f"moved to {e.host}:{e.port}, not reachable now")
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+            if isinstance(e, AskError):
+                asking.add(i)
+        return groups, asking
+
+    # -- the client and the topology -----------------------------------------------------
+
+    def _cluster(self) -> RedisCluster:
+        """The client, built on first use (one builder at a time, behind a breaker)."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if self._building or not self._reach.allow():
+                raise RemoteUnavailable(
+                    f"remote tier {self._url_for_log} unreachable (retry in "
+                    f"{self._reach.retry_in():.1f}s): {self.last_error}")
+            self._building = True
+        try:
+            client = self._build()
+        except AUTH_ERRORS as e:
+            self._reach.released()
+            self._record(e)
+            raise ConfigError(auth_message(f"Redis Cluster at {self._url_for_log}", e)) from None
+        except OUTAGES as e:
+            self._reach.failed()
+            raise RemoteUnavailable(f"remote tier {self._url_for_log} unreachable: "
+                                    f"{self._record(e)}") from e
+        finally:
+            with self._lock:
+                self._building = False
+        self._reach.succeeded()
+        with self._lock:
+            self._client = client
+            self._refreshed_at = time.monotonic()
+        return client
+
+    def _build(self) -> RedisCluster:
+        spec = self._spec
+        options: dict[str, Any] = dict(spec.options)
+        if "ssl_check_hostname" in options:
+            options["ssl_check_hostname"] = options["ssl_check_hostname"].lower() in (
+                "1", "true", "yes", "on")
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],
+            username=spec.username, password=spec.password, ssl=spec.tls,
+            require_full_coverage=False, retry=Retry(NoBackoff(), 1),
+            socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
+            load_balancing_strategy=(LoadBalancingStrategy.ROUND_ROBIN
+                                     if self._read_replicas else None),
+            **options)
+        # RedisCluster swallows the startup nodes' errors into one message: a node refusing
+        # the credentials would read as an outage. One PING on a master tells them apart.
+        client.get_redis_connection(client.get_primaries()[0]).ping()
+        return client
+
+    def _refresh(self, client: RedisCluster) -> None:
+        """Re-read the slot map (after a node failed or a slot moved), at most once per
+        `retry_after_s`; a failure leaves the old map in place."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._refreshed_at < self._retry_after_s:
+                return
+            self._refreshed_at = now
+        try:
+            client.nodes_manager.initialize()
+        except OUTAGES as e:
+            log.debug("kvtier: cluster topology refresh failed: %s", e)
+            self._record(e)
+
+    def _breaker(self, name: str) -> Breaker:
+        with self._lock:
+            breaker = self._breakers.get(name)
+            if breaker is None:
+                breaker = self._breakers[name] = Breaker(self._retry_after_s)
+            return breaker
+
+    def _on_nodes(self, client: RedisCluster, nodes: Sequence[ClusterNode],
+                  call: Callable[[redis.Redis], Any]) -> dict[str, Any]:
+        """`call` on each node's connection, behind its breaker; per node its answer or
+        RemoteUnavailable."""
+        answers: dict[str, Any] = {}
+        for node in nodes:
+            if not self._breaker(node.name).allow():
+                answers[node.name] = RemoteUnavailable(f"node {node.name} down")
+                continue
+            answers[node.name] = self._guarded(
+                "ping", node, lambda n=node: [call(client.get_redis_connection(n))])
+            if isinstance(answers[node.name], list):
+                answers[node.name] = answers[node.name][0]
+        return answers
+
+    def _warn_settings(self, client: RedisCluster, masters: Sequence[ClusterNode]) -> None:
+        """Warn about server settings that turn a full or lost shard into failed writes or
+        a stopped cluster (managed services may refuse CONFIG: then nothing is said)."""
+        for node in masters:
+            try:
+                conn = client.get_redis_connection(node)
+                policy = conn.config_get("maxmemory-policy").get("maxmemory-policy", "")
+                coverage = conn.config_get("cluster-require-full-coverage").get(
+                    "cluster-require-full-coverage", "")
+            except OUTAGES as e:
+                log.debug("kvtier: cannot read %s's settings: %s", node.name, e)
+                continue
+            if policy and policy not in EVICTING_POLICIES and not (
+                    policy.startswith("volatile") and self._px is not None):
+                log.warning("kvtier: cluster node %s has maxmemory-policy %s: once full it "
+                            "refuses kvtier's writes; set allkeys-lru", node.name, policy)
+            if coverage == "yes":
+                log.warning("kvtier: cluster node %s has cluster-require-full-coverage yes: "
+                            "one lost shard stops the whole cluster; set it to no", node.name)
+        if masters and not _has_replicas(client, masters[0]):
+            log.warning("kvtier: remote tier %s has no replicas: a lost shard loses its blocks "
+                        "and cuts most long prefixes to their first blocks; add replicas",
+                        self._url_for_log)
+
+    def _record(self, e: BaseException) -> str:
+        reason = one_line(e)
+        with self._lock:
+            self.errors += 1
+            self.last_error = reason
+        return reason
+
+
+def _has_replicas(client: RedisCluster, node: ClusterNode) -> bool:
+    """Whether `node` knows of any replica (CLUSTER SLOTS lists none until they hold data)."""
+    try:
+        nodes = client.get_redis_connection(node).execute_command("CLUSTER", "NODES")
+    except OUTAGES:
+        return True  # unknown: say nothing
+    if isinstance(nodes, dict):  # a client that parses the reply
+        return any("slave" in str(v.get("flags", "")) for v in nodes.values())
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    return any(len(f := line.split()) > 2 and "slave" in f[2] for line in text.splitlines())

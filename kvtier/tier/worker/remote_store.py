@@ -1,0 +1,45 @@
+"""What the remote tier asks of its byte store, so one server (`RedisStore`) and a cluster
+(`ClusterStore`) sit behind the same tier: batched, per-key answers, never a crash."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvtier.tier.worker.unavailable import RemoteUnavailable
+
+
+class KeyValueStore(Protocol):
+    """Batched byte store; a whole batch that cannot be served raises `RemoteUnavailable`,
+    one key that cannot (its shard is down) is answered with a `RemoteUnavailable`."""
+
+    @property
+    def url_for_log(self) -> str: ...
+
+    def key(self, block_key: bytes) -> bytes:
+        """The store's key of one block (namespaced)."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
+        ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
+        ...
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Unreachable keys answer False: presence is only a hint."""
+        ...
+
+    def delete_many(self, keys: Sequence[bytes]) -> int: ...
+
+    def check(self) -> None:
+        """ConfigError on bad credentials, RemoteUnavailable if unreachable."""
+        ...
+
+    def ping(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """Errors so far and the last one, for the tier's report."""
+        ...
