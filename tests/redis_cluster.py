@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -32,15 +33,19 @@ class LocalCluster:
     """`masters` masters, each with `replicas` replicas, formed and waited for by `start`."""
 
     def __init__(self, binary: str, masters: int = 3, replicas: int = 0,
-                 maxmemory: str = "64mb") -> None:
+                 maxmemory: str = "64mb", password: str | None = None) -> None:
         self.num_masters, self.num_replicas = masters, replicas
-        self.nodes = [RedisServer(binary, args=(*CLUSTER_ARGS, "--maxmemory", maxmemory,
-                                                "--cluster-port", str(free_port())))
+        self.password = password
+        auth = ("--masterauth", password) if password else ()
+        self.nodes = [RedisServer(binary, password,
+                                  args=(*CLUSTER_ARGS, *auth, "--maxmemory", maxmemory,
+                                        "--cluster-port", str(free_port())))
                       for _ in range(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
-        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis-cluster://{auth}" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self) -> None:
         for node in self.nodes:
@@ -88,6 +93,10 @@ class LocalCluster:
 
     def keys_per_master(self) -> dict[int, int]:
         return {n.port: int(self._ask(n, "DBSIZE")) for n in self.masters()}
+
+    def info(self, node: RedisServer, section: str) -> dict[str, Any]:
+        with node.client(timeout_s=2.0) as client:
+            return dict(client.info(section))
 
     def kill(self, node: RedisServer) -> None:
         node.stop()
@@ -145,13 +154,14 @@ class LocalCluster:
 
 @pytest.fixture
 def redis_cluster_factory() -> Iterator[Callable[..., LocalCluster]]:
-    """`factory(masters=3, replicas=0, maxmemory="64mb")` forms a fresh cluster; every node
-    is killed and its directory removed at the test's end."""
+    """`factory(masters=3, replicas=0, maxmemory="64mb", password=None)` forms a fresh
+    cluster; every node is killed and its directory removed at the test's end."""
     binary = redis_server_binary()
     clusters: list[LocalCluster] = []
 
-    def factory(masters: int = 3, replicas: int = 0, maxmemory: str = "64mb") -> LocalCluster:
-        cluster = LocalCluster(binary, masters, replicas, maxmemory)
+    def factory(masters: int = 3, replicas: int = 0, maxmemory: str = "64mb",
+                password: str | None = None) -> LocalCluster:
+        cluster = LocalCluster(binary, masters, replicas, maxmemory, password)
         clusters.append(cluster)
         cluster.start()
         return cluster

@@ -59,6 +59,10 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def reference(tiny: LoadedModel) -> Any:
+    return greedy_answers(tiny)
+
+
+def greedy_answers(tiny: LoadedModel) -> Any:
     """Greedy answers with no tier at all: what every faulty run must still produce."""
     config = EngineConfig.from_knobs(model="tiny", num_device_blocks=48, batch_invariant=True)
     engine = LLMEngine(config, loaded=tiny)

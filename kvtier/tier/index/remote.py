@@ -19,8 +19,9 @@ from kvtier.tier.keys import BlockKey, Medium
 
 log = logging.getLogger(__name__)
 
-# keys -> one presence flag each (may raise: an unreachable store then answers all False)
-ExistsFn = Callable[[Sequence[BlockKey]], list[bool]]
+# keys -> one presence flag each, None where the store could not say (a cluster's dead
+# shard); may raise: an unreachable store then answers all False
+ExistsFn = Callable[[Sequence[BlockKey]], Sequence[bool | None]]
 MAX_ANSWERS = 1024  # answers nobody came back for (an aborted request) are dropped oldest first
 
 
@@ -31,13 +32,13 @@ class RemotePresence:
         self._exists = exists
         self._cond = threading.Condition()
         self._questions: OrderedDict[tuple[BlockKey, ...], None] = OrderedDict()
-        self._answers: OrderedDict[tuple[BlockKey, ...], list[bool]] = OrderedDict()
+        self._answers: OrderedDict[tuple[BlockKey, ...], list[bool | None]] = OrderedDict()
         self._closing = False
         self.errors = 0  # questions answered "absent" because the store failed
         self._thread = threading.Thread(target=self._run, name="kvtier-presence", daemon=True)
         self._thread.start()
 
-    def ask(self, keys: Sequence[BlockKey]) -> list[bool] | None:
+    def ask(self, keys: Sequence[BlockKey]) -> list[bool | None] | None:
         """The store's answer for exactly these keys if it is in (consumed), else None
         (the question is queued once; ask again later)."""
         question = tuple(keys)
@@ -78,7 +79,7 @@ class RemotePresence:
                 answer = list(self._exists(question))
             except Exception as e:  # unreachable, or credentials revoked since start: a miss
                 log.debug("kvtier: remote presence query failed: %s", e)
-                answer = [False] * len(question)
+                answer: list[bool | None] = [False] * len(question)
                 with self._cond:
                     self.errors += 1
             with self._cond:
@@ -100,6 +101,7 @@ class RemoteTier:
         self.presence = presence
         self._writing: set[BlockKey] = set()
         self._counts = IndexStats()
+        self._cut_short = 0  # lookups whose run stopped at a key the store could not answer
 
     @property
     def stats(self) -> IndexStats:
@@ -113,7 +115,8 @@ class RemoteTier:
 
     @property
     def answered_absent(self) -> int:
-        return self.presence.errors
+        """Questions the store failed whole, and lookups cut short by one of its shards."""
+        return self.presence.errors + self._cut_short
 
     def wait(self, timeout: float) -> None:
         self.presence.wait(timeout)
@@ -134,6 +137,7 @@ class RemoteTier:
         hits = 0
         for flag in present:
             if not flag:
+                self._cut_short += flag is None
                 break
             hits += 1
         self._counts.lookups += min(len(keys), hits + 1)

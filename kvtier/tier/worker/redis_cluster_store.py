@@ -50,6 +50,7 @@ TOPOLOGY_REFRESH_S = 10.0  # the slot map is re-read this often even when nothin
 # is not a RedisError).
 OUTAGES = (redis.RedisError, RedisClusterException, OSError)
 AUTH_ERRORS = (redis.AuthenticationError, NoPermissionError)
+CLUSTER_EXAMPLE = "redis-cluster://:PASSWORD@host1:port1,host2:port2"
 EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 
 # Adds key i's command to a pipeline.
@@ -107,10 +108,11 @@ class ClusterStore:
         names = [self.key(k) for k in keys]
         return self._batch("get", names, lambda pipe, i: pipe.get(names[i]), write=False)
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """Per key whether it is held, None where its shard did not answer."""
         names = [self.key(k) for k in keys]
         out = self._batch("exists", names, lambda pipe, i: pipe.exists(names[i]), write=False)
-        return [v is not None and not isinstance(v, RemoteUnavailable) and bool(v) for v in out]
+        return [None if isinstance(v, RemoteUnavailable) else bool(v) for v in out]
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` were present (and are now gone); one DEL per key, since a
@@ -160,25 +162,37 @@ class ClusterStore:
         if not names:
             return []
         client = self._cluster()
-        if time.monotonic() - self._refreshed_at > TOPOLOGY_REFRESH_S:
-            self._refresh(client)  # replicas appear in CLUSTER SLOTS only once they hold data
+        # While a node is down, its replica may take its slots: re-read the map (at most
+        # once per retry_after_s) before probing it. Replicas appear in CLUSTER SLOTS only
+        # once they hold data, so the map is re-read now and then anyway.
+        if self._any_down() or time.monotonic() - self._refreshed_at > TOPOLOGY_REFRESH_S:
+            self._refresh(client)
         out: list[Any] = [None] * len(names)
         groups = self._route(client, range(len(names)), names, write, out)
-        redirects = self._send(client, what, groups, command, out, asking=set())
+        redirects, failed = self._send(client, what, groups, command, out, asking=set())
+        groups, asking = {}, set()
         if redirects:  # the slot moved (reshard, failover): follow once, then give up
             if any(isinstance(e, MovedError) for e in redirects.values()):
                 self._refresh(client)
             groups, asking = self._redirected(client, redirects, out)
+        if failed and self._read_replicas and not write:  # another node of the slot may serve
+            retry = [i for indices in failed.values() for i in indices]
+            again = self._route(client, retry, names, write, out,
+                                allowed={name: False for name in failed})
+            for node, indices in again.values():
+                groups.setdefault(node.name, (node, []))[1].extend(indices)
+        if groups:
             self._send(client, what, groups, command, out, asking)
         return out
 
     def _route(self, client: RedisCluster, indices: Sequence[int], names: Sequence[bytes],
-               write: bool, out: list[Any]) -> dict[str, tuple[ClusterNode, list[int]]]:
+               write: bool, out: list[Any], allowed: dict[str, bool] | None = None
+               ) -> dict[str, tuple[ClusterNode, list[int]]]:
         """Each key to a node of its slot whose breaker lets calls through (the master for
-        writes; with replica reads on, any of the slot's nodes, in turn); keys with none get
-        a RemoteUnavailable in `out`."""
+        writes; with replica reads on, any of the slot's nodes, in turn; never one that
+        `allowed` says no to); keys with none get a RemoteUnavailable in `out`."""
         slots = client.nodes_manager.slots_cache
-        allowed: dict[str, bool] = {}
+        allowed = {} if allowed is None else allowed
         groups: dict[str, tuple[ClusterNode, list[int]]] = {}
         for i in indices:
             owners = slots.get(key_slot(names[i]))
@@ -211,8 +225,10 @@ class ClusterStore:
 
     def _send(self, client: RedisCluster, what: str,
               groups: dict[str, tuple[ClusterNode, list[int]]], command: Command,
-              out: list[Any], asking: set[int]) -> dict[int, MovedError | AskError]:
-        """One pipeline per node, in parallel; fills `out`; the redirected keys."""
+              out: list[Any], asking: set[int]
+              ) -> tuple[dict[int, MovedError | AskError], dict[str, list[int]]]:
+        """One pipeline per node, in parallel; fills `out`; the redirected keys, and the
+        keys of each node that failed."""
         def run(node: ClusterNode, indices: list[int]) -> list[Any]:
             pipe = client.get_redis_connection(node).pipeline(transaction=False)
             for i in indices:
@@ -236,10 +252,10 @@ class ClusterStore:
                        for node, ix in jobs]
             results = [f.result() for f in futures]
         redirects: dict[int, MovedError | AskError] = {}
-        failed_node = False
+        failed: dict[str, list[int]] = {}
         for (node, indices), replies in zip(jobs, results):
             if isinstance(replies, RemoteUnavailable):
-                failed_node = True
+                failed[node.name] = indices
                 for i in indices:
                     out[i] = replies
                 continue
@@ -251,9 +267,9 @@ class ClusterStore:
                                                f"{node.name}: {self._record(reply)}")
                 else:
                     out[i] = reply
-        if failed_node:  # a master may have died: learn its successor for the next batch
+        if failed:  # a master may have died: learn its successor for the next batch
             self._refresh(client)
-        return redirects
+        return redirects, failed
 
     def _guarded(self, what: str, node: ClusterNode, call: Callable[[], list[Any]]
                  ) -> list[Any] | RemoteUnavailable:
@@ -267,7 +283,8 @@ class ClusterStore:
         except AUTH_ERRORS as e:
             breaker.released()
             self._record(e)
-            raise ConfigError(auth_message(f"Redis Cluster node {node.name}", e)) from None
+            raise ConfigError(auth_message(f"Redis Cluster node {node.name}", e,
+                                           CLUSTER_EXAMPLE)) from None
         except OUTAGES as e:
             breaker.failed()
             return RemoteUnavailable(f"remote tier {self._url_for_log} {what} on node "
@@ -307,7 +324,8 @@ class ClusterStore:
         except AUTH_ERRORS as e:
             self._reach.released()
             self._record(e)
-            raise ConfigError(auth_message(f"Redis Cluster at {self._url_for_log}", e)) from None
+            raise ConfigError(auth_message(f"Redis Cluster at {self._url_for_log}", e,
+                                           CLUSTER_EXAMPLE)) from None
         except OUTAGES as e:
             self._reach.failed()
             raise RemoteUnavailable(f"remote tier {self._url_for_log} unreachable: "
@@ -323,36 +341,68 @@ class ClusterStore:
 
     def _build(self) -> RedisCluster:
         spec = self._spec
+        try:
+            client = RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],
+                require_full_coverage=False, retry=Retry(NoBackoff(), 1),
+                load_balancing_strategy=(LoadBalancingStrategy.ROUND_ROBIN
+                                         if self._read_replicas else None),
+                **self._connection_options())
+        except RedisClusterException:
+            self._diagnose()
+            raise
+        client.get_redis_connection(client.get_primaries()[0]).ping()
+        return client
+
+    def _connection_options(self) -> dict[str, Any]:
+        spec = self._spec
         options: dict[str, Any] = dict(spec.options)
         if "ssl_check_hostname" in options:
             options["ssl_check_hostname"] = options["ssl_check_hostname"].lower() in (
                 "1", "true", "yes", "on")
-        client = RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],
-            username=spec.username, password=spec.password, ssl=spec.tls,
-            require_full_coverage=False, retry=Retry(NoBackoff(), 1),
-            socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
-            load_balancing_strategy=(LoadBalancingStrategy.ROUND_ROBIN
-                                     if self._read_replicas else None),
-            **options)
-        # RedisCluster swallows the startup nodes' errors into one message: a node refusing
-        # the credentials would read as an outage. One PING on a master tells them apart.
-        client.get_redis_connection(client.get_primaries()[0]).ping()
-        return client
+        return {"username": spec.username, "password": spec.password, "ssl": spec.tls,
+                "socket_timeout": self._timeout_s,
+                "socket_connect_timeout": self._timeout_s, **options}
 
-    def _refresh(self, client: RedisCluster) -> None:
-        """Re-read the slot map (after a node failed or a slot moved), at most once per
-        `retry_after_s`; a failure leaves the old map in place."""
+    def _diagnose(self) -> None:
+        """RedisCluster folds its startup nodes' errors into one message, so refused
+        credentials would read as an outage: one plain PING per node tells them apart
+        (raises the auth error; returns if none answers that way)."""
+        for host, port in self._spec.nodes:
+            try:
+                with redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 0),
+                                 **self._connection_options()) as conn:
+                    conn.ping()
+                return
+            except AUTH_ERRORS:
+                raise
+            except OUTAGES:
+                continue
+
+    def _refresh(self, client: RedisCluster) -> bool:
+        """Re-read the slot map (a node failed or is down, a slot moved), at most once per
+        `retry_after_s`; whether it was read (a failure leaves the old map in place)."""
         with self._lock:
             now = time.monotonic()
             if now - self._refreshed_at < self._retry_after_s:
-                return
+                return False
             self._refreshed_at = now
         try:
             client.nodes_manager.initialize()
         except OUTAGES as e:
             log.debug("kvtier: cluster topology refresh failed: %s", e)
             self._record(e)
+            return False
+        serving = {n.name for owners in client.nodes_manager.slots_cache.values()
+                   for n in owners}
+        with self._lock:  # a node that left the map is no longer "down": it is gone
+            self._breakers = {k: b for k, b in self._breakers.items() if k in serving}
+        return True
+
+    def _any_down(self) -> bool:
+        with self._lock:
+            breakers = list(self._breakers.values())
+        return any(b.is_open for b in breakers)
 
     def _breaker(self, name: str) -> Breaker:
         with self._lock:

@@ -177,14 +177,14 @@ class RedisStore:
         return reason
 
 
-def auth_message(where: str, e: BaseException) -> str:
+def auth_message(where: str, e: BaseException,
+                 example: str = "redis://:PASSWORD@host:port/0") -> str:
     """What to fix when the server refused the URL's credentials (never the password)."""
     text = str(e)
     if "without any password" in text or "no password is set" in text:
         return f"{where} has no password set: remove the password from the URL"
     if "Authentication required" in text or "already authenticated" in text:
-        return (f"{where} requires a password: put it in the URL, as in "
-                f"redis://:PASSWORD@host:port/0")
+        return f"{where} requires a password: put it in the URL, as in {example}"
     if isinstance(e, NoPermissionError):
         return f"{where}: the user in the URL lacks a permission kvtier needs ({text})"
     return f"{where} rejected the credentials in the URL ({text}): check user and password"

@@ -26,8 +26,9 @@ class KeyValueStore(Protocol):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         ...
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Unreachable keys answer False: presence is only a hint."""
+    def exists_many(self, keys: Sequence[bytes]) -> Sequence[bool | None]:
+        """Per key whether it is held; None where the store could not say (one dead shard):
+        presence is only a hint."""
         ...
 
     def delete_many(self, keys: Sequence[bytes]) -> int: ...
