@@ -103,7 +103,7 @@ def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,
 
 
 DEEP_KNOBS = ("disk_kv_path", "disk_kv_size", "disk_kv_max_gbps", "remote_kv_url",
-              "remote_kv_ttl_s", "kv_offload_dtype")
+              "remote_kv_read_replicas", "remote_kv_ttl_s", "kv_offload_dtype")
 
 
 def _one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Any:

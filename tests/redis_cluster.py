@@ -69,6 +69,15 @@ class LocalCluster:
         return self._wait(lambda: all(self._ready(n) for n in self.nodes if n.running),
                           "cluster_state:ok everywhere and replicas in sync", timeout_s)
 
+    def wait_replicas_listed(self, timeout_s: float = READY_S) -> float:
+        """Seconds until CLUSTER SLOTS lists every replica (it leaves out a replica that holds
+        no data yet, so clients cannot read from it before something is written)."""
+        def listed() -> bool:
+            return all(len(entry) - 3 == self.num_replicas
+                       for n in self.nodes if n.running
+                       for entry in self._ask(n, "CLUSTER", "SLOTS"))
+        return self._wait(listed, "every replica in CLUSTER SLOTS", timeout_s)
+
     def role(self, node: RedisServer) -> str:
         return str(self._ask(node, "ROLE")[0].decode())
 
@@ -90,6 +99,12 @@ class LocalCluster:
             if lo <= slot <= hi:
                 return next(n for n in self.nodes if n.port == int(master[1]))
         raise AssertionError(f"slot {slot} is not served")
+
+    def slot_ranges(self, master: RedisServer) -> list[tuple[int, int]]:
+        """The slot ranges `master` serves now."""
+        viewer = next(n for n in self.nodes if n.running)
+        return [(int(lo), int(hi)) for lo, hi, owner, *_ in
+                self._ask(viewer, "CLUSTER", "SLOTS") if int(owner[1]) == master.port]
 
     def keys_per_master(self) -> dict[int, int]:
         return {n.port: int(self._ask(n, "DBSIZE")) for n in self.masters()}
