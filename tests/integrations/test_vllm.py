@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from disk_file import flip_payload_byte
-from redis_server import RedisServer, redis_server_binary
+from redis_cluster import LocalCluster
+from redis_server import redis_server_binary
 from vllm_run import KV_BYTES_PER_BLOCK, ONE_PROCESS, parse, prompts, results, run_vllm
 
 from kvtier.tier import TierConfig
@@ -96,10 +97,16 @@ def test_bad_extra_config_stops_vllm_at_start_with_kvtier_message(
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    server = RedisServer(redis_server_binary())
-    server.start()
-    yield server.url
-    server.close()
+    """A 3-master Redis Cluster: vLLM instances share the cluster tier the way they would
+    share one server (test_vllm_mac and test_vllm_identity run vLLM on one server). Each
+    process's start-up probe writes a few 5.9 MB blocks too: room enough that LRU keeps
+    what process 1 wrote."""
+    cluster = LocalCluster(redis_server_binary(), masters=3, maxmemory="512mb")
+    try:
+        cluster.start()
+        yield cluster.url
+    finally:
+        cluster.close()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +121,7 @@ def written(vllm_python: Path, smollm2_hf: Path, redis_url: str, reference: list
     assert run["results"][0]["tokens"] == reference[0]["tokens"]
     m = run["metrics"]
     assert m["vllm:kvtier_written_blocks{tier=disk}"] == 8  # every full block, on to disk
-    assert m["vllm:kvtier_written_blocks{tier=remote}"] == 8  # ... and to Redis
+    assert m["vllm:kvtier_written_blocks{tier=remote}"] == 8  # ... and to the cluster
     return directory
 
 
@@ -165,7 +172,7 @@ def test_another_block_size_finds_nothing(vllm_python: Path, smollm2_hf: Path, w
     assert run["tokens"] == reference[0]["tokens"]
 
 
-def test_a_second_vllm_hits_the_first_ones_prefix_through_redis(
+def test_a_second_vllm_hits_the_first_ones_prefix_through_a_redis_cluster(
         vllm_python: Path, smollm2_hf: Path, written: Path, redis_url: str,
         reference: list[dict]) -> None:
     run = serve_a(vllm_python, smollm2_hf, {**HOST, "remote_kv_url": redis_url})
