@@ -11,7 +11,9 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               "kv_bytes_per_block": N (per worker rank), "metrics": true,
               "tensor_parallel_size": 1,
               "hybrid": false (true: vLLM decides on its hybrid KV allocator),
-              "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it)}
+              "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it),
+              "kv_events": true (vLLM publishes KV events to a subscriber here: every event
+              it received, in order, is in the result's "kv_events")}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
 2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
@@ -26,6 +28,42 @@ import time
 from pathlib import Path
 
 MARK = "KVTIER_RESULT "  # vLLM logs to stdout too: the result is the line with this mark
+
+
+class KVEventListener:
+    """A ZMQ subscriber to vLLM's KV events. vLLM binds an endpoint with '*' in it and
+    connects to any other, and a publisher that connects learns of a subscriber late, dropping
+    its first batches: so vLLM binds a free port (all interfaces, as `tcp://*:5557` does) and
+    this socket connects to it on loopback first (ZMQ retries until vLLM binds). Batches wait
+    in ZMQ's queue until `drain` decodes them."""
+
+    def __init__(self) -> None:
+        import socket
+
+        import zmq
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.endpoint = f"tcp://*:{port}"  # what vLLM's publisher binds
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.RCVHWM, 0)  # keep every batch until drained
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+
+    def drain(self, quiet_s: float = 1.0) -> list[dict]:
+        """Every event received, oldest first, as plain values ("type" names its class),
+        once none has come for `quiet_s`."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events: list[dict] = []
+        while self.socket.poll(int(quiet_s * 1000)):
+            _topic, _seq, payload = self.socket.recv_multipart()
+            events += msgspec.to_builtins(decoder.decode(payload).events, enc_hook=repr)
+        self.socket.close(linger=0)
+        return events
 
 
 def main() -> int:
@@ -44,6 +82,12 @@ def main() -> int:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy=spec.get("policy", "recompute"))
+    listener = KVEventListener() if spec.get("kv_events") else None
+    if listener is not None:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
+                                                    publisher="zmq", endpoint=listener.endpoint)
     lora = None
     if spec.get("lora") is not None:
         from vllm.lora.request import LoRARequest
@@ -102,8 +146,9 @@ def main() -> int:
                 extra = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
                                  if k not in ("engine", "model_name"))
                 metrics[m.name + (f"{{{extra}}}" if extra else "")] = m.value
+    kv_events = listener.drain() if listener is not None else []
     print(MARK + json.dumps({"started_s": started, "results": out, "concurrent": together,
-                             "metrics": metrics}), flush=True)
+                             "metrics": metrics, "kv_events": kv_events}), flush=True)
     return 0
 
 

@@ -14,6 +14,8 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   Fingerprint    the namespace every block key is chained from (change a field: no old hit)
   Faults         the one fault seam, given to build() (tests)
   Residency      where a request's state lived, one enum from here to the HTTP header
+  ResidencyChange, ChangeKind   TierManager.take_residency_changes(): a block became
+                 resident on host or disk, or stopped being (a manager built to keep them)
   Job, Result, LoadDone, FetchDone, StoreDone   what crosses between the two sides
 Nothing here imports an engine; everything outside `worker/` and `driver.py` is pure Python
 (no torch), and the bytes side is imported only when first named, so bookkeeping alone never
@@ -33,6 +35,7 @@ from kvtier.tier.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierM
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
+from kvtier.tier.residency_log import ChangeKind, ResidencyChange
 
 if TYPE_CHECKING:
     from kvtier.tier.wiring import (
@@ -54,6 +57,7 @@ __all__ = [
     "BelowReport",
     "BlockKey",
     "Calibration",
+    "ChangeKind",
     "Choice",
     "Decision",
     "Event",
@@ -69,6 +73,7 @@ __all__ = [
     "Reason",
     "RequestOutcome",
     "Residency",
+    "ResidencyChange",
     "Result",
     "SchedulerTier",
     "StoreDone",

@@ -13,7 +13,9 @@ Primitives, in the order a client calls them:
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
 and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
-observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy, close().
+observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy, close(),
+take_residency_changes() -> [ResidencyChange] (which blocks became resident on host or disk,
+or stopped being, since the last call: recorded only for a manager built to keep them).
 Between a job's creation and its result, its host slots are pinned in the host index (and
 a deeper tier's slots in theirs): neither is evicted nor handed out again.
 """
@@ -31,6 +33,7 @@ from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
+from kvtier.tier.residency_log import ResidencyChange, ResidencyLog
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,9 @@ class TierManager:
     """Coordinates the host index, the tiers below it and the planner for one client."""
 
     def __init__(self, config: TierConfig, block_size: int, host: HostTier, planner: Planner,
-                 block_bytes: int, below: BelowHost, ids: Iterator[int]) -> None:
+                 block_bytes: int, below: BelowHost, ids: Iterator[int],
+                 residency: ResidencyLog | None = None) -> None:
+        """`residency`: the log the host and disk indexes record into (None: none kept)."""
         self.config = config
         self.block_size = block_size
         self.host = host
@@ -113,6 +118,7 @@ class TierManager:
         self._pending: dict[int, _Pending] = {}
         self._outbox: list[Job] = []
         self._requests: dict[str, _Request] = {}
+        self._residency = residency if residency is not None else ResidencyLog(enabled=False)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -154,6 +160,11 @@ class TierManager:
     def close(self) -> None:
         """Stop the tiers' own threads (a remote presence thread); the worker is closed apart."""
         self.below.close()
+
+    def take_residency_changes(self) -> list[ResidencyChange]:
+        """Blocks that became resident on host or disk, or stopped being, since the last
+        call, in order (empty unless the manager was built to keep them)."""
+        return self._residency.take()
 
     def report(self) -> TierStats:
         """A frozen snapshot of everything the scheduler side counts (see report.py)."""

@@ -29,6 +29,7 @@ from kvtier.tier.layout import KVLayout
 from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.redis_url import is_cluster_url
+from kvtier.tier.residency_log import ResidencyLog
 from kvtier.tier.worker.block_mac import BlockMac
 from kvtier.tier.worker.codec import encoded_nbytes
 from kvtier.tier.worker.disk_open import open_disk, read_disk_index
@@ -100,19 +101,23 @@ class SchedulerTier:
 
 def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
                          calibration: Calibration, namespace: bytes,
-                         coded_shape: tuple[int, ...] | None = None) -> SchedulerTier:
+                         coded_shape: tuple[int, ...] | None = None,
+                         residency: bool = False) -> SchedulerTier:
     """The manager alone (vLLM's scheduler): a host index of exactly the slots
     `build_worker_side` will allocate, the disk index read from the file the worker owns,
     and Redis asked for presence only. The tiers' read rates are measured here, where the
     planner lives. With 8-bit host slots (`kv_offload_dtype`) a slot's size follows from
-    `coded_shape`, the block as the codec reads it (`KVLayout.coded_block_shape`)."""
+    `coded_shape`, the block as the codec reads it (`KVLayout.coded_block_shape`).
+    `residency`: keep the host and disk residency changes (`take_residency_changes`)."""
     _enabled(config)
+    changes = ResidencyLog(enabled=residency)
     encoding = config.kv_offload_dtype or ""
     slot_bytes = host_slot_nbytes(block_nbytes, coded_shape, encoding)
     with ExitStack() as undo:
         indexes: list[SecondaryIndex] = []
         if config.disk_enabled:
-            indexes.append(read_disk_index(config, slot_bytes, encoding, namespace, block_size))
+            indexes.append(read_disk_index(config, slot_bytes, encoding, namespace, block_size,
+                                           changes))
             calibration.tier_gbps[DISK] = _disk_rate(config, slot_bytes)
         if config.remote_enabled:
             # Presence only: the store's namespace, no warning (the worker side gives it).
@@ -122,7 +127,7 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
                                                         config.remote_kv_read_gbps)
         manager = _manager(config, block_size,
                            host_slot_count(config.kv_offloading_size, slot_bytes),
-                           slot_bytes, encoding, block_nbytes, calibration, indexes)
+                           slot_bytes, encoding, block_nbytes, calibration, indexes, changes)
         side = SchedulerTier(manager, undo.pop_all())
     return side
 
@@ -161,13 +166,14 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
 
 def _manager(config: TierConfig, block_size: int, host_slots: int, slot_bytes: int,
              encoding: str, block_nbytes: int, calibration: Calibration,
-             tiers: list[SecondaryIndex]) -> TierManager:
+             tiers: list[SecondaryIndex], changes: ResidencyLog | None = None) -> TierManager:
     """The bookkeeping: the host index, the planner (over `calibration`, the tiers' read
     rates measured in) and the manager over the tiers below host."""
     ids = job_ids()
-    host = HostTier(host_slots, config.eviction_policy)
+    host = HostTier(host_slots, config.eviction_policy, changes)
     below = BelowHost(host, tiers, slot_bytes, ids, encoding)
-    return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below, ids)
+    return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below, ids,
+                       changes)
 
 
 def _disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: int,

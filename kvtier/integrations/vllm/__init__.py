@@ -1,6 +1,7 @@
 """kvtier under vLLM: `KvtierConnector`, loaded by vLLM from this module path
 (`"kv_connector_module_path": "kvtier.integrations.vllm"`). Naming it imports vLLM; the
-vLLM-free halves (`scheduler_side`, `worker_side`, `settings`, `identity`) import without it."""
+vLLM-free halves (`scheduler_side`, `worker_side`, `settings`, `identity`, `events`) import
+without it."""
 
 from typing import TYPE_CHECKING, Any
 

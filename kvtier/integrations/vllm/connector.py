@@ -13,7 +13,8 @@ metadata. vLLM keeps stepping while jobs are outstanding (`has_pending_push_work
 write-on of a finished request's blocks to disk and Redis lands even when nothing follows.
 Under tensor parallelism every rank's worker side keeps its own heads (`parallel.py`) and
 the scheduler combines each job's ranks (`ranks.py`); under vLLM's hybrid allocator each KV
-cache group keeps its own blocks, a sliding window only its window (`groups.py`).
+cache group keeps its own blocks, a sliding window only its window (`groups.py`). When vLLM
+publishes KV events, kvtier's host and disk tiers are published beside its GPU (`events.py`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.events import UNPUBLISHED, KVEvents
 from kvtier.integrations.vllm.groups import Window, servable_groups
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
+from kvtier.integrations.vllm.origins import kv_events
 from kvtier.integrations.vllm.parallel import Split
 from kvtier.integrations.vllm.ranks import RankResults
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
@@ -65,7 +68,10 @@ from kvtier.tier import (
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -139,13 +145,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[list[int]]] = {}  # per KV cache group
         self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
+        self.events: KVEvents | None = None  # only when vLLM publishes KV events
         if scheduler:
             _announce(plan, self.config)
+            self.events = kv_events(vllm_config, kv_cache_config, self._requests.get,
+                                    plan.block_size)
             self.tier = build_scheduler_side(plan.config, plan.block_size, plan.block_nbytes,
-                                             prior(), plan.namespace, plan.expected.coded_shape)
+                                             prior(), plan.namespace, plan.expected.coded_shape,
+                                             residency=self.events is not None)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            plan.fingerprint.namespace, plan.world_size,
-                                           plan.windows)
+                                           plan.windows, self.events or UNPUBLISHED)
         else:
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
                                           plan.block_size, Faults.from_env(rank))
@@ -213,14 +223,21 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         request's final boundary is stored in the next step, and vLLM holds those blocks
         until the worker says the copies are done (`get_finished`)."""
         assert self.scheduler is not None
-        self._requests.pop(request.request_id, None)
-        self._blocks.pop(request.request_id, None)
         hold = self.scheduler.finish_windows(request.request_id, block_ids,
                                              request.num_computed_tokens)
         params = self.scheduler.finished(request.request_id)
+        self._requests.pop(request.request_id, None)  # live until now: its blocks' origins
+        self._blocks.pop(request.request_id, None)
         if not self.settings.enable_residency_details:
             params = {}  # where another tenant's prefix lived is nobody else's business
         return hold, params or None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's host and disk residency since the last step as vLLM's KV events (medium
+        CPU, STORAGE) under vLLM's own block hashes, when vLLM publishes KV events."""
+        if self.events is None or self.tier is None:
+            return ()
+        return self.events.take(self.tier.manager.take_residency_changes())
 
     def has_pending_push_work(self) -> bool:
         """Jobs decided or running (writes on to disk and Redis): keep vLLM stepping."""

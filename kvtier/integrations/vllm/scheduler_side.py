@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.integrations.vllm.events import UNPUBLISHED, BlockRecorder
 from kvtier.integrations.vllm.groups import Window
 from kvtier.tier import (
     NO_MATCH,
@@ -90,8 +91,11 @@ class SchedulerSide:
 
     def __init__(self, manager: TierManager, block_size: int,
                  namespace: Callable[[str], BlockKey], world_size: int = 1,
-                 windows: Sequence[Window | None] = (None,)) -> None:
+                 windows: Sequence[Window | None] = (None,),
+                 recorder: BlockRecorder = UNPUBLISHED) -> None:
+        """`recorder`: told which blocks go to the tier (vLLM's KV events, `events.py`)."""
         self.manager = manager
+        self.recorder = recorder
         self.block_size = block_size
         self.namespace = namespace  # salt (cache_salt, LoRA) -> the chain's seed
         # tensor-parallel ranks: the tier reckons in one rank's slice of a block, vLLM's
@@ -124,6 +128,8 @@ class SchedulerSide:
         match = self.manager.match(request_id, [st.group_keys[g][i] for g, i in need],
                                    [self._chunk(st, i) for _, i in need])
         if match is None or match.fetching:  # a presence answer or a fetch is on its way
+            if match is not None:
+                self.recorder.fetching(request_id, need, st.group_keys)
             return None
         st.looked_up = (last - d) * bs
         if not match.load_keys:
@@ -181,6 +187,7 @@ class SchedulerSide:
         st = self.requests.get(request_id)
         if st is None:
             return None
+        self.recorder.settled(request_id)  # a fetch lands before vLLM admits the request
         if not st.counted:  # the lookup vLLM acted on: retries while it waited do not count
             st.counted = True
             self._counts["lookup_tokens"] += st.looked_up
@@ -238,13 +245,22 @@ class SchedulerSide:
                 and not self._kept(st, g, i)]
         if not kept:
             return False
-        blocks = self.manager.store([block_ids[g][i] for g, i in kept],
-                                    [st.group_keys[g][i] for g, i in kept],
-                                    [self._chunk(st, i) for _, i in kept])
+        blocks = self._store(request_id, st, block_ids, kept)
         if not blocks:  # on host already, or no room: nothing to wait for
             return False
         self._sending.append(request_id)
         return True
+
+    def _store(self, request_id: str, st: _Request, block_ids: Sequence[Sequence[int]],
+               kept: list[tuple[int, int]]) -> tuple[int, ...] | None:
+        """Hand the `kept` (group, block) to the host tier: the device blocks its job reads,
+        or None if it had no room; what it took is told to the recorder."""
+        blocks = self.manager.store([block_ids[g][i] for g, i in kept],
+                                    [st.group_keys[g][i] for g, i in kept],
+                                    [self._chunk(st, i) for _, i in kept])
+        if blocks is not None:
+            self.recorder.storing(request_id, kept, st.group_keys)
+        return blocks
 
     def take_sending(self) -> list[str]:
         """Requests whose final window stores are among the jobs `step` returns next: the
@@ -273,9 +289,7 @@ class SchedulerSide:
             kept = [(g, i) for g, ids in enumerate(s.block_ids)
                     for i in range(st.stored, full) if ids[i] and self._kept(st, g, i)]
             if kept:
-                self.manager.store([s.block_ids[g][i] for g, i in kept],
-                                   [st.group_keys[g][i] for g, i in kept],
-                                   [self._chunk(st, i) for _, i in kept])
+                self._store(s.request_id, st, s.block_ids, kept)
             st.stored = full  # a store the host refused is not retried: it is a future miss
         return self.manager.take_jobs()
 
@@ -335,6 +349,7 @@ class SchedulerSide:
         tier's own outcome for it says."""
         outcome = self.manager.outcome(request_id)
         self.manager.finished(request_id)
+        self.recorder.settled(request_id)
         st = self.requests.pop(request_id, None)
         if st is None:
             return {}

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.tier.index.slots import SlotTier, _Entry
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.residency_log import ResidencyLog
 
 
 class DiskTier(SlotTier):
@@ -20,10 +21,11 @@ class DiskTier(SlotTier):
     size_knob = "disk_kv_size"
 
     def __init__(self, num_slots: int, policy: str = "lru",
-                 unusable_at_start: Mapping[str, int] | None = None) -> None:
+                 unusable_at_start: Mapping[str, int] | None = None,
+                 log: ResidencyLog | None = None) -> None:
         """`unusable_at_start`: blocks the file held that this process cannot serve, by
         reason (another fingerprint, a header that does not decode): counted as misses."""
-        super().__init__(num_slots, policy)
+        super().__init__(num_slots, policy, log)
         self.unusable_at_start: Counter[str] = Counter(unusable_at_start or {})
 
     local = True  # its index is the truth: no one else writes the file
@@ -46,6 +48,7 @@ class DiskTier(SlotTier):
 
         Returns the slots not adopted (out of range, taken twice, or a key seen twice: the
         first one wins), which the caller should invalidate. Only valid on an empty tier.
+        Adopted blocks are the state the tier starts in, not residency changes: none is logged.
         """
         assert not self._entries, "adopt rebuilds the index of a tier that holds nothing yet"
         rejected: list[int] = []

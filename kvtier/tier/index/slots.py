@@ -2,7 +2,8 @@
 
 Slot i is row i of the host pool (HostTier) or slot i of the disk file (DiskTier); this
 module only hands slots out, pins them while a copy is in flight, and evicts through the
-configured policy. Bytes never pass through here.
+configured policy. Bytes never pass through here. Where a key becomes resident or stops being
+(a store completes or fails, an eviction, a removal) it is told to the tier's `ResidencyLog`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.tier.index.base import IndexStats, PrepareStoreResult
 from kvtier.tier.index.policy import make_policy
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.residency_log import ChangeKind, ResidencyLog
 
 
 @dataclass
@@ -31,7 +33,9 @@ class SlotTier:
     medium = Medium.DEVICE  # set by each concrete tier
     size_knob = ""  # the knob that sizes the tier, for the error below
 
-    def __init__(self, num_slots: int, policy: str = "lru") -> None:
+    def __init__(self, num_slots: int, policy: str = "lru",
+                 log: ResidencyLog | None = None) -> None:
+        """`log`: where residency changes go (None: a log that records nothing)."""
         if num_slots < 1:
             raise ConfigError(
                 f"{self.medium.value} tier num_slots={num_slots} must be >= 1; "
@@ -44,6 +48,7 @@ class SlotTier:
         self._pins: dict[BlockKey, int] = {}  # load pins of complete keys; absent means 0
         self._free: deque[int] = deque(range(num_slots))  # lowest slot first at start
         self._counts = IndexStats(capacity=num_slots)
+        self.log = log if log is not None else ResidencyLog(enabled=False)
 
     @property
     def stats(self) -> IndexStats:
@@ -98,6 +103,7 @@ class SlotTier:
             for key in victims:
                 self._free.append(self._entries.pop(key).slot)
             self._counts.evictions += len(victims)
+            self.log.record(self.medium, ChangeKind.REMOVED, victims)
             evicted = victims
         slots = []
         for key, tokens in new.items():
@@ -122,6 +128,7 @@ class SlotTier:
             self._counts.stores += len(keys)
         else:
             self._counts.store_failures += len(keys)
+        self.log.record(self.medium, ChangeKind.STORED if success else ChangeKind.FAILED, keys)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
         """Slots of complete keys, one pin each (a key may be loaded by two requests at once)."""
@@ -144,13 +151,13 @@ class SlotTier:
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Drop the keys that are present and unpinned; how many were dropped."""
-        dropped = 0
-        for key in dict.fromkeys(keys):
-            if key in self._entries and not self._pinned(key):
-                self._free.append(self._entries.pop(key).slot)
-                self.policy.remove(key)
-                dropped += 1
-        return dropped
+        dropped = [key for key in dict.fromkeys(keys)
+                   if key in self._entries and not self._pinned(key)]
+        for key in dropped:
+            self._free.append(self._entries.pop(key).slot)
+            self.policy.remove(key)
+        self.log.record(self.medium, ChangeKind.REMOVED, dropped)
+        return len(dropped)
 
     @property
     def room(self) -> int:

@@ -16,6 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.tier.config import GIB, TierConfig
 from kvtier.tier.index.disk import DiskTier
 from kvtier.tier.jobs import Reason
+from kvtier.tier.residency_log import ResidencyLog
 from kvtier.tier.worker.block_format import BlockHeader, max_header_nbytes
 from kvtier.tier.worker.disk_store import DiskStore, read_headers, round_up
 from kvtier.tier.worker.host_pool import HostPool
@@ -45,13 +46,15 @@ def open_disk(config: TierConfig, host: HostPool, namespace: bytes, block_size: 
 
 
 def read_disk_index(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
-                    block_size: int) -> DiskTier:
+                    block_size: int, residency: ResidencyLog | None = None) -> DiskTier:
     """The disk tier's index from its file, read only: for the process that keeps the index
-    while another owns the file (`open_disk` there adopts, and invalidates, the same slots)."""
+    while another owns the file (`open_disk` there adopts, and invalidates, the same slots).
+    `residency`: where the index tells its residency changes (None: nowhere)."""
     num_slots, header = disk_geometry(config, slot_bytes, block_size)
     unusable: Counter[str] = Counter()
     found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header, unusable)
-    return _adopt(config, found, unusable, num_slots, namespace, slot_bytes, encoding)[0]
+    return _adopt(config, found, unusable, num_slots, namespace, slot_bytes, encoding,
+                  residency)[0]
 
 
 def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple[int, int]:
@@ -68,7 +71,7 @@ def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple
 
 def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
            unusable: Counter[str], num_slots: int, namespace: bytes, slot_bytes: int,
-           encoding: str) -> tuple[DiskTier, list[int]]:
+           encoding: str, residency: ResidencyLog | None = None) -> tuple[DiskTier, list[int]]:
     """An index of the blocks of this namespace and shape; the slots it could not take.
     Blocks of another fingerprint (the weights changed, say) or shape are counted."""
     ours = []
@@ -79,7 +82,7 @@ def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
             unusable[Reason.SIZE.value] += 1
         else:
             ours.append((slot, h.key, h.tokens))
-    tier = DiskTier(num_slots, config.eviction_policy, unusable)
+    tier = DiskTier(num_slots, config.eviction_policy, unusable, residency)
     if unusable:
         log.warning("kvtier: disk tier %s holds blocks this process will not serve (%s): "
                     "written under another model, configuration or format, or damaged",
