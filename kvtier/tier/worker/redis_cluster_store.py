@@ -125,6 +125,7 @@ class ClusterStore:
         """PING every master: ConfigError on bad credentials, RemoteUnavailable if none
         answers; logs a warning for each server setting that would cost blocks or writes."""
         client = self._cluster()
+        self._refresh(client, force=True)  # replicas listed since the client was built
         masters = client.get_primaries()
         answers = self._on_nodes(client, masters, lambda conn: conn.ping())
         if not any(a is True for a in answers.values()):
@@ -379,12 +380,12 @@ class ClusterStore:
             except OUTAGES:
                 continue
 
-    def _refresh(self, client: RedisCluster) -> bool:
+    def _refresh(self, client: RedisCluster, force: bool = False) -> bool:
         """Re-read the slot map (a node failed or is down, a slot moved), at most once per
-        `retry_after_s`; whether it was read (a failure leaves the old map in place)."""
+        `retry_after_s` unless `force`; whether it was read (a failure leaves the old map)."""
         with self._lock:
             now = time.monotonic()
-            if now - self._refreshed_at < self._retry_after_s:
+            if now - self._refreshed_at < self._retry_after_s and not force:
                 return False
             self._refreshed_at = now
         try:
