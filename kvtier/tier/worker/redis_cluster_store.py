@@ -24,15 +24,20 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, MovedError, NoPermissionError, RedisClusterException
-from redis.retry import Retry
+from redis.exceptions import AskError, MovedError
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.tier.redis_url import is_cluster_url, mask_url, parse_cluster_url
 from kvtier.tier.worker.breaker import Breaker
+from kvtier.tier.worker.redis_cluster_client import (
+    AUTH_ERRORS,
+    CLUSTER_EXAMPLE,
+    OUTAGES,
+    connect,
+    warn_settings,
+)
 from kvtier.tier.worker.redis_store import (
     auth_message,
     check_store_args,
@@ -46,12 +51,6 @@ log = logging.getLogger(__name__)
 
 MAX_PARALLEL_NODES = 8  # pipelines in flight at once, one per node
 TOPOLOGY_REFRESH_S = 10.0  # the slot map is re-read this often even when nothing failed
-# An outage of a node or of the whole cluster: a miss, never a crash (RedisClusterException
-# is not a RedisError).
-OUTAGES = (redis.RedisError, RedisClusterException, OSError)
-AUTH_ERRORS = (redis.AuthenticationError, NoPermissionError)
-CLUSTER_EXAMPLE = "redis-cluster://:PASSWORD@host1:port1,host2:port2"
-EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 
 # Adds key i's command to a pipeline.
 Command = Callable[[Any, int], None]
@@ -131,7 +130,8 @@ class ClusterStore:
         if not any(a is True for a in answers.values()):
             raise RemoteUnavailable(f"remote tier {self._url_for_log}: no master answered "
                                     f"PING ({self.last_error})")
-        self._warn_settings(client, [n for n in masters if answers.get(n.name) is True])
+        warn_settings(client, [n for n in masters if answers.get(n.name) is True],
+                      self._px is not None, self._url_for_log)
 
     def ping(self) -> bool:
         """Whether some master answers now; never raises."""
@@ -321,7 +321,7 @@ class ClusterStore:
                     f"{self._reach.retry_in():.1f}s): {self.last_error}")
             self._building = True
         try:
-            client = self._build()
+            client = connect(self._spec, self._timeout_s, self._read_replicas)
         except AUTH_ERRORS as e:
             self._reach.released()
             self._record(e)
@@ -339,46 +339,6 @@ class ClusterStore:
             self._client = client
             self._refreshed_at = time.monotonic()
         return client
-
-    def _build(self) -> RedisCluster:
-        spec = self._spec
-        try:
-            client = RedisCluster(
-                startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],
-                require_full_coverage=False, retry=Retry(NoBackoff(), 1),
-                load_balancing_strategy=(LoadBalancingStrategy.ROUND_ROBIN
-                                         if self._read_replicas else None),
-                **self._connection_options())
-        except RedisClusterException:
-            self._diagnose()
-            raise
-        client.get_redis_connection(client.get_primaries()[0]).ping()
-        return client
-
-    def _connection_options(self) -> dict[str, Any]:
-        spec = self._spec
-        options: dict[str, Any] = dict(spec.options)
-        if "ssl_check_hostname" in options:
-            options["ssl_check_hostname"] = options["ssl_check_hostname"].lower() in (
-                "1", "true", "yes", "on")
-        return {"username": spec.username, "password": spec.password, "ssl": spec.tls,
-                "socket_timeout": self._timeout_s,
-                "socket_connect_timeout": self._timeout_s, **options}
-
-    def _diagnose(self) -> None:
-        """RedisCluster folds its startup nodes' errors into one message, so refused
-        credentials would read as an outage: one plain PING per node tells them apart
-        (raises the auth error; returns if none answers that way)."""
-        for host, port in self._spec.nodes:
-            try:
-                with redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 0),
-                                 **self._connection_options()) as conn:
-                    conn.ping()
-                return
-            except AUTH_ERRORS:
-                raise
-            except OUTAGES:
-                continue
 
     def _refresh(self, client: RedisCluster, force: bool = False) -> bool:
         """Re-read the slot map (a node failed or is down, a slot moved), at most once per
@@ -427,30 +387,6 @@ class ClusterStore:
                 answers[node.name] = answers[node.name][0]
         return answers
 
-    def _warn_settings(self, client: RedisCluster, masters: Sequence[ClusterNode]) -> None:
-        """Warn about server settings that turn a full or lost shard into failed writes or
-        a stopped cluster (managed services may refuse CONFIG: then nothing is said)."""
-        for node in masters:
-            try:
-                conn = client.get_redis_connection(node)
-                policy = conn.config_get("maxmemory-policy").get("maxmemory-policy", "")
-                coverage = conn.config_get("cluster-require-full-coverage").get(
-                    "cluster-require-full-coverage", "")
-            except OUTAGES as e:
-                log.debug("kvtier: cannot read %s's settings: %s", node.name, e)
-                continue
-            if policy and policy not in EVICTING_POLICIES and not (
-                    policy.startswith("volatile") and self._px is not None):
-                log.warning("kvtier: cluster node %s has maxmemory-policy %s: once full it "
-                            "refuses kvtier's writes; set allkeys-lru", node.name, policy)
-            if coverage == "yes":
-                log.warning("kvtier: cluster node %s has cluster-require-full-coverage yes: "
-                            "one lost shard stops the whole cluster; set it to no", node.name)
-        if masters and not _has_replicas(client, masters[0]):
-            log.warning("kvtier: remote tier %s has no replicas: a lost shard loses its blocks "
-                        "and cuts most long prefixes to their first blocks; add replicas",
-                        self._url_for_log)
-
     def _record(self, e: BaseException) -> str:
         reason = one_line(e)
         with self._lock:
@@ -458,14 +394,3 @@ class ClusterStore:
             self.last_error = reason
         return reason
 
-
-def _has_replicas(client: RedisCluster, node: ClusterNode) -> bool:
-    """Whether `node` knows of any replica (CLUSTER SLOTS lists none until they hold data)."""
-    try:
-        nodes = client.get_redis_connection(node).execute_command("CLUSTER", "NODES")
-    except OUTAGES:
-        return True  # unknown: say nothing
-    if isinstance(nodes, dict):  # a client that parses the reply
-        return any("slave" in str(v.get("flags", "")) for v in nodes.values())
-    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
-    return any(len(f := line.split()) > 2 and "slave" in f[2] for line in text.splitlines())

@@ -233,3 +233,21 @@ def test_a_slot_migration_is_followed_through_ask_and_moved(redis_cluster_factor
         assert cluster.owner(name) is target
     finally:
         store.close()
+
+
+def test_settings_that_would_cost_blocks_are_named_at_start(
+        redis_cluster_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    cluster: LocalCluster = redis_cluster_factory(masters=3)
+    noevict, strict = cluster.masters()[:2]
+    cluster._ask(noevict, "CONFIG", "SET", "maxmemory-policy", "noeviction")
+    cluster._ask(strict, "CONFIG", "SET", "cluster-require-full-coverage", "yes")
+    store = ClusterStore(cluster.url, NS)
+    try:
+        with caplog.at_level("WARNING"):
+            store.check()
+    finally:
+        store.close()
+    said = caplog.text
+    assert f"127.0.0.1:{noevict.port} has maxmemory-policy noeviction" in said
+    assert f"127.0.0.1:{strict.port} has cluster-require-full-coverage yes" in said
+    assert "has no replicas" in said
