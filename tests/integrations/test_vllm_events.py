@@ -1,8 +1,9 @@
 """kvtier's host tier published as vLLM's own KV events, under real vLLM (one start, a tiny
 random Llama, a ZMQ subscriber in the driver decoding with vLLM's `KVEventBatch`): the blocks
 kvtier stores appear as `BlockStored` with medium CPU under exactly the hashes (and parents,
-tokens, extra keys, group) vLLM gave the same blocks in its GPU `BlockStored`, and as
-`BlockRemoved` CPU once kvtier's host tier evicts them."""
+tokens, extra keys, group) vLLM gave the same blocks in its GPU `BlockStored`, as
+`BlockRemoved` CPU once kvtier's host tier evicts them, and as `BlockStored` STORAGE once
+their disk writes land."""
 
 from __future__ import annotations
 
@@ -56,20 +57,26 @@ def blocks(prompt: list[int]) -> list[tuple[int, ...]]:
 
 
 def test_host_residency_is_published_under_vllms_own_block_hashes(
-        vllm_python: Path, tiny_hf: Callable[[str], Path]) -> None:
+        vllm_python: Path, tiny_hf: Callable[[str], Path], tmp_path: Path) -> None:
     rng = random.Random(7)
     a, b = ([rng.randrange(10, VOCAB) for _ in range(PROMPT)] for _ in range(2))
     nbytes = kv_bytes_per_block("llama")
     run = parse(run_vllm(vllm_python, tiny_hf("llama"), {
-        "connector": {"kv_offloading_size": HOST_SLOTS * nbytes / GIB},
+        "connector": {"kv_offloading_size": HOST_SLOTS * nbytes / GIB,
+                      "disk_kv_path": str(tmp_path / "kv"),
+                      "disk_kv_size": 4 * HOST_SLOTS * nbytes / GIB},
         "blocks": 24, "prompts": [a, b], "block_size": BLOCK_SIZE, "kv_bytes_per_block": nbytes,
         "max_model_len": PROMPT + 2 * BLOCK_SIZE, "kv_events": True}, env=ONE_PROCESS).stdout)
     events = run["kv_events"]
-    assert {e["medium"] for e in events if "medium" in e} == {"GPU", "CPU"}  # no disk here
+    assert {e["medium"] for e in events if "medium" in e} == {"GPU", "CPU", "STORAGE"}
     gpu, cpu = per_block(events, "GPU"), per_block(events, "CPU")
-    # every block kvtier stored is announced exactly as vLLM announced its GPU copy
+    disk = per_block(events, "STORAGE")
+    # every block kvtier stored, on host and on disk, is announced exactly as vLLM
+    # announced its GPU copy
     for prompt in (a, b):
         assert all(cpu[blk] == gpu[blk] for blk in blocks(prompt)), "CPU and GPU disagree"
+        assert all(disk[blk] == gpu[blk] for blk in blocks(prompt)), "disk and GPU disagree"
+    assert not removed_at(events, "STORAGE")  # the disk holds both prompts
     assert cpu[blocks(a)[0]]["parent"] is None and cpu[blocks(a)[0]]["group_idx"] == 0
     # b's store evicted all of a's blocks from kvtier's host tier: each withdrawn, after its
     # store was announced; b's are still there
