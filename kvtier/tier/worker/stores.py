@@ -217,13 +217,13 @@ class _RemoteReads:
             raise CorruptBlock(Reason.SIZE, str(e)) from None
 
 
-def batches(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """[lo, hi) index ranges of consecutive items, each at most REMOTE_BATCH_BYTES (or one
-    item where a single one is larger)."""
+def batches(sizes: Sequence[int], limit: int = REMOTE_BATCH_BYTES) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of consecutive items, each at most `limit` bytes (or one item
+    where a single one is larger)."""
     out: list[tuple[int, int]] = []
     lo, total = 0, 0
     for i, size in enumerate(sizes):
-        if i > lo and total + size > REMOTE_BATCH_BYTES:
+        if i > lo and total + size > limit:
             out.append((lo, i))
             lo, total = i, 0
         total += size
