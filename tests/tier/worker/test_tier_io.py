@@ -109,3 +109,31 @@ def test_a_fetch_goes_between_two_pieces_of_a_write(monkeypatch: pytest.MonkeyPa
     assert store.calls[2:] == [1] * 6  # the write went down one block a piece
     assert torch.equal(host.tensor[6:8], expected)
     assert written.seconds < 6 * WRITE_S + 0.1  # the fetch's time is not the write's
+
+
+def test_after_a_fetch_writes_wait_out_the_wake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The woken request's load and first token run with no write-on beside them."""
+    layout = KVLayout.from_contiguous(torch.randn(8, 2, BS, 2, 2, 8))
+    host = HostPool.like(layout, 8)
+    monkeypatch.setattr(io, "WAKE_QUIET_S", 0.2)
+    store = SlowStore()
+    tier = TierIO(host, NS, [store])
+    try:
+        tier.submit(Job(1, Medium.HOST, Medium.REMOTE, (0,), keys=(KEYS[0],),
+                        tokens=(CHUNKS[0],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        tier.wait_any(5)
+        store.writing.clear()
+        tier.submit(Job(2, Medium.REMOTE, Medium.HOST, (1,), keys=(KEYS[0],),
+                        tokens=(CHUNKS[0],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        [fetched] = tier.wait_any(5)
+        landed = time.perf_counter()
+        tier.submit(Job(3, Medium.HOST, Medium.REMOTE, (2,), keys=(KEYS[1],),
+                        tokens=(CHUNKS[1],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        assert store.writing.wait(5)
+        began = time.perf_counter() - landed
+        [written] = tier.wait_any(5)
+    finally:
+        tier.close()
+    assert fetched.ok == (True,) and written.ok == (True,)
+    assert began > 0.12  # it waited out (most of) the quiet time
+    assert written.seconds < WRITE_S + 0.1  # and that wait is not its own time
