@@ -117,10 +117,16 @@ class LocalCluster:
         node.stop()
 
     def wait_promoted(self, replica: RedisServer, timeout_s: float = 10.0) -> float:
-        """Seconds until `replica` is a master and every running node reports ok."""
-        return self._wait(lambda: self.role(replica) == "master"
-                          and all(self._state_ok(n) for n in self.nodes if n.running),
-                          "the replica's promotion", timeout_s)
+        """Seconds until `replica` is a master, every running node reports ok and no node's
+        slot map names a stopped node as a master any more."""
+        live = {n.port for n in self.nodes if n.running}
+
+        def done() -> bool:
+            return (self.role(replica) == "master"
+                    and all(self._state_ok(n) for n in self.nodes if n.running)
+                    and all(int(entry[2][1]) in live for n in self.nodes if n.running
+                            for entry in self._ask(n, "CLUSTER", "SLOTS")))
+        return self._wait(done, "the replica's promotion", timeout_s)
 
     def close(self) -> None:
         for node in self.nodes:

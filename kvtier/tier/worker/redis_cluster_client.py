@@ -39,8 +39,26 @@ def connect(spec: ClusterUrl, timeout_s: float, read_replicas: bool) -> RedisClu
     except RedisClusterException:
         _diagnose(spec, options)
         raise
-    client.get_redis_connection(client.get_primaries()[0]).ping()
+    _ping_a_master(client)
     return client
+
+
+def _ping_a_master(client: RedisCluster) -> None:
+    """PING the masters that serve slots until one answers (a startup node that died may
+    still be listed as a master); raises the last error if none does."""
+    serving = {owners[0].name: owners[0]
+               for owners in client.nodes_manager.slots_cache.values() if owners}
+    error: Exception = RedisClusterException("no node serves any slot")
+    for node in serving.values():
+        try:
+            client.get_redis_connection(node).ping()
+            return
+        except AUTH_ERRORS:
+            raise
+        except OUTAGES as e:
+            error = e
+    client.close()
+    raise error
 
 
 def _connection_options(spec: ClusterUrl, timeout_s: float) -> dict[str, Any]:
