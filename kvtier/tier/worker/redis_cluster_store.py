@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError
 
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError
 from kvtier.tier.redis_url import is_cluster_url, mask_url, parse_cluster_url
 from kvtier.tier.worker.breaker import Breaker
 from kvtier.tier.worker.redis_cluster_client import (
@@ -38,13 +37,7 @@ from kvtier.tier.worker.redis_cluster_client import (
     connect,
     warn_settings,
 )
-from kvtier.tier.worker.redis_store import (
-    auth_message,
-    check_store_args,
-    key_prefix,
-    one_line,
-    ttl_ms,
-)
+from kvtier.tier.worker.redis_store import KeyedStore, auth_message
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 log = logging.getLogger(__name__)
@@ -56,7 +49,7 @@ TOPOLOGY_REFRESH_S = 10.0  # the slot map is re-read this often even when nothin
 Command = Callable[[Any, int], None]
 
 
-class ClusterStore:
+class ClusterStore(KeyedStore):
     """Batched byte store over a cluster: per-node pipelines, per-node breakers."""
 
     def __init__(self, url: str, namespace: bytes, ttl_s: float | None = None,
@@ -66,14 +59,10 @@ class ClusterStore:
             raise ConfigError(f"a cluster URL starts with redis-cluster:// or "
                               f"rediss-cluster://, got {mask_url(str(url))!r}")
         self._spec = parse_cluster_url(url)
-        check_store_args(namespace, ttl_s, timeout_s, retry_after_s)
-        self._url_for_log = mask_url(url)
-        self._prefix = key_prefix(namespace)
-        self._px = ttl_ms(ttl_s)
+        super().__init__(url, namespace, ttl_s, timeout_s, retry_after_s)
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
         self._read_replicas = read_replicas
-        self._lock = threading.Lock()
         self._client: RedisCluster | None = None
         self._building = False
         self._reach = Breaker(retry_after_s)  # the cluster as a whole (building the client)
@@ -81,16 +70,6 @@ class ClusterStore:
         self._refreshed_at = 0.0
         self._turn = itertools.count()  # spreads reads over a slot's nodes
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="kvtier-cluster")
-        self.errors = 0
-        self.last_error = ""
-
-    @property
-    def url_for_log(self) -> str:
-        return self._url_for_log
-
-    def key(self, block_key: bytes) -> bytes:
-        """The key of one block in this store's namespace (no hash tag: blocks spread)."""
-        return self._prefix + block_key.hex().encode()
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored, or why its shard did not take it."""
@@ -133,14 +112,6 @@ class ClusterStore:
         warn_settings(client, [n for n in masters if answers.get(n.name) is True],
                       self._px is not None, self._url_for_log)
 
-    def ping(self) -> bool:
-        """Whether some master answers now; never raises."""
-        try:
-            self.check()
-        except KvtierError:
-            return False
-        return True
-
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         with self._lock:
@@ -151,8 +122,7 @@ class ClusterStore:
     def describe(self) -> dict[str, Any]:
         with self._lock:
             down = sorted(name for name, b in self._breakers.items() if b.is_open)
-        return {"errors": self.errors, "last_error": self.last_error, "url": self.url_for_log,
-                "nodes_down": down}
+        return {**super().describe(), "nodes_down": down}
 
     # -- one batch -----------------------------------------------------------------------
 
@@ -387,10 +357,4 @@ class ClusterStore:
                 answers[node.name] = answers[node.name][0]
         return answers
 
-    def _record(self, e: BaseException) -> str:
-        reason = one_line(e)
-        with self._lock:
-            self.errors += 1
-            self.last_error = reason
-        return reason
 

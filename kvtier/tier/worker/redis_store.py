@@ -57,16 +57,58 @@ def one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
-class RedisStore:
+class KeyedStore:
+    """What one server and a cluster share: the checked knobs, the URL as it may be logged,
+    one key per block in the namespace, the errors seen, and `ping` over `check`."""
+
+    def __init__(self, url: str, namespace: bytes, ttl_s: float | None, timeout_s: float,
+                 retry_after_s: float) -> None:
+        check_store_args(namespace, ttl_s, timeout_s, retry_after_s)
+        self._url_for_log = mask_url(url)
+        self._prefix = key_prefix(namespace)
+        self._px = ttl_ms(ttl_s)
+        self._lock = threading.Lock()
+        self.errors = 0
+        self.last_error = ""
+
+    @property
+    def url_for_log(self) -> str:
+        return self._url_for_log
+
+    def key(self, block_key: bytes) -> bytes:
+        """The key of one block in this store's namespace (no hash tag: on a cluster, the
+        blocks spread over the shards)."""
+        return self._prefix + block_key.hex().encode()
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def ping(self) -> bool:
+        """Whether the store answers now; never raises."""
+        try:
+            self.check()
+        except KvtierError:
+            return False
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"errors": self.errors, "last_error": self.last_error, "url": self.url_for_log}
+
+    def _record(self, e: BaseException) -> str:
+        reason = one_line(e)
+        with self._lock:
+            self.errors += 1
+            self.last_error = reason
+        return reason
+
+
+class RedisStore(KeyedStore):
     """Batched byte store over one Redis/Valkey server, each batch one round trip."""
 
     def __init__(self, url: str, namespace: bytes, ttl_s: float | None = None,
                  timeout_s: float = 0.5, retry_after_s: float = 1.0) -> None:
         validate_url(url)
-        check_store_args(namespace, ttl_s, timeout_s, retry_after_s)
-        self._url_for_log = mask_url(url)
-        self._prefix = key_prefix(namespace)
-        self._px = ttl_ms(ttl_s)
+        super().__init__(url, namespace, ttl_s, timeout_s, retry_after_s)
         # One immediate retry on a broken connection only: a pooled socket left stale by a
         # server restart reconnects at once, while a timeout is never paid twice.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
@@ -77,17 +119,6 @@ class RedisStore:
             raise ConfigError(f"invalid Redis URL {self._url_for_log!r}: {e}; "
                               f"expected {ACCEPTED_URLS}") from None
         self._breaker = Breaker(retry_after_s)
-        self._lock = threading.Lock()
-        self.errors = 0
-        self.last_error = ""
-
-    @property
-    def url_for_log(self) -> str:
-        return self._url_for_log
-
-    def key(self, block_key: bytes) -> bytes:
-        """The Redis key of one block in this store's namespace."""
-        return self._prefix + block_key.hex().encode()
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored (one server: the batch fails whole, by raising)."""
@@ -133,19 +164,8 @@ class RedisStore:
         """One PING: ConfigError on bad credentials, RemoteUnavailable if unreachable."""
         self._call("ping", lambda client: client.ping())
 
-    def ping(self) -> bool:
-        """Whether the server answers now; never raises."""
-        try:
-            self.check()
-        except KvtierError:
-            return False
-        return True
-
     def close(self) -> None:
         self._client.close()
-
-    def describe(self) -> dict[str, Any]:
-        return {"errors": self.errors, "last_error": self.last_error, "url": self.url_for_log}
 
     def _call(self, what: str, op: Callable[[redis.Redis], T]) -> T:
         if not self._breaker.allow():
@@ -168,13 +188,6 @@ class RedisStore:
                                     f"{reason}") from e
         self._breaker.succeeded()
         return result
-
-    def _record(self, e: BaseException) -> str:
-        reason = one_line(e)
-        with self._lock:
-            self.errors += 1
-            self.last_error = reason
-        return reason
 
 
 def auth_message(where: str, e: BaseException,
