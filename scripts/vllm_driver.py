@@ -138,6 +138,7 @@ def main() -> int:
             "kv_transfer_params": r.kv_transfer_params,
             "finish_reason": c.finish_reason,
             "seconds": time.perf_counter() - t,
+            "sent_at": t,  # perf_counter: one clock with the connector's wake timeline
         })
     metrics = {}
     if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it)

@@ -22,7 +22,7 @@ MANAGER_FACE = frozenset({
 # kvtier/tier/worker/worker.py's docstring
 WORKER_FACE = frozenset({
     "submit", "poll", "wait", "wait_any", "wait_layer", "in_flight", "busy", "close",
-    "flush", "report", "layout", "host_slots",
+    "flush", "report", "layout", "host_slots", "wait_fetches",
 })
 FACES = {"manager": MANAGER_FACE, "worker": WORKER_FACE}
 

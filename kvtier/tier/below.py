@@ -255,7 +255,8 @@ class BelowHost:
             self.stats.fetch_seconds[source.value] += outcome.seconds
         whole = n == len(t.keys)
         return FetchDone(pending.request_id, n, source, missed=len(t.keys) - n,
-                         predicted_s=pending.predicted_s if whole else None)
+                         predicted_s=pending.predicted_s if whole else None,
+                         seconds=outcome.seconds, finished_at=outcome.finished_at)
 
     def _failed(self, tier: Medium, reason: str, writing: bool) -> None:
         """A block not written (counted in `written`'s failures by the caller) or not

@@ -61,6 +61,7 @@ BOUNDS: dict[str, Bounds] = {
     "kv_offloading_size": (0.0, 2.0**20),  # GiB: 1 PiB of host memory
     "max_load_tokens": (0, 2**31),
     "blocks_per_chunk": (1, 2**20),
+    "load_copy_threads": (1, 256),
     "max_store_gbps": _RATE,
     "disk_kv_size": (0.0, 2.0**24),  # GiB: 16 PiB of disk
     "remote_kv_ttl_s": _SECONDS,
@@ -83,6 +84,10 @@ class TierConfig:
     # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
     # decode, which is bound by it. None: copy as fast as the link allows. Loads never wait.
     max_store_gbps: float | None = None
+    # CPU threads that share a whole-block host -> device load a request waits on (nothing
+    # computes beside it); None: two where the machine has two cores. Layer-wise loads and
+    # stores keep one thread: they run beside compute.
+    load_copy_threads: int | None = None
     # Tiers below host memory, staged through it (device -> host -> disk or Redis and back).
     disk_kv_path: str | None = None  # directory of the disk tier's slot file (created 0700)
     disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
@@ -114,6 +119,13 @@ class TierConfig:
     @property
     def enabled(self) -> bool:
         return self.kv_offloading_size > 0
+
+    @property
+    def load_threads(self) -> int:
+        """`load_copy_threads`, or its default for this machine."""
+        if self.load_copy_threads is not None:
+            return self.load_copy_threads
+        return min(2, os.cpu_count() or 1)
 
     @property
     def disk_enabled(self) -> bool:

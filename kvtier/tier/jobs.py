@@ -136,6 +136,8 @@ class FetchDone:
     source: Medium | None  # the deepest tier a fetched block came from
     missed: int = 0  # blocks asked for that did not come up (failed, or after a failure)
     predicted_s: float | None = None  # the hop's predicted seconds, for a whole fetch only
+    seconds: float = 0.0  # the I/O thread's time on it (a write's pieces it waited out apart)
+    finished_at: float = 0.0  # time.perf_counter() when it ended (0: unknown)
 
 
 @dataclass(frozen=True)

@@ -267,7 +267,7 @@ def _host_and_link(config: TierConfig, layout: KVLayout, faults: Faults, undo: E
                               encoding=config.kv_offload_dtype or "")
     undo.callback(host.release)
     link = TransferEngine(layout, host, config.blocks_per_chunk, faults.link,
-                          store_gbps=config.max_store_gbps)
+                          store_gbps=config.max_store_gbps, load_threads=config.load_threads)
     undo.callback(link.close)
     return host, link
 

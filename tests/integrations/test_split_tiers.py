@@ -116,6 +116,12 @@ def test_a_restarted_process_restores_the_prefix_from_disk_exactly(tmp_path: Pat
     params = b.side.finished("b")
     assert params["kvtier_residency"] == "disk" and params["kvtier_restored_tokens"] == 12
     assert b.stats["fetched_blocks|disk"] == 3 and b.stats["restored_tokens"] == 12
+    # where its wake's time went: every mark of a disk wake, in the order they happen
+    marks = params["kvtier_timeline"]
+    order = ["fetch_started", "fetch_began", "fetch_ended", "fetch_applied", "answered",
+             "allocated", "load_began", "load_ended", "finished"]
+    assert [marks[f"{m}_ms"] for m in order] == sorted(marks[f"{m}_ms"] for m in order)
+    assert marks["fetch_started_ms"] >= 0 and marks["asked_at"] > 0
     b.close()
 
 

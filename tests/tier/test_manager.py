@@ -149,7 +149,8 @@ def test_write_down_to_disk_then_fetch_up_then_load() -> None:
     assert fetch.keys == tuple(KEYS[:2]) and fetch.media == (Medium.DISK,) * 2
     assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING  # still on its way: never twice
     [fetched] = m.apply([Result(fetch.id, (True, True), ("", ""), 2 * NBYTES, 1e-6)])
-    assert fetched == FetchDone("r", 2, Medium.DISK, 0, predicted_s=fetched.predicted_s)
+    assert fetched == FetchDone("r", 2, Medium.DISK, 0, predicted_s=fetched.predicted_s,
+                                seconds=fetched.seconds, finished_at=fetched.finished_at)
     assert fetched.predicted_s is not None and fetched.predicted_s > 0  # scored on landing
     again = m.match("r", KEYS[:2], CHUNKS[:2])
     assert again.load_keys == tuple(KEYS[:2]) and again.residency is Medium.DISK

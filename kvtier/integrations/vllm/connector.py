@@ -19,8 +19,7 @@ publishes KV events, kvtier's host and disk tiers are published beside its GPU (
 
 from __future__ import annotations
 
-import logging
-import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,38 +33,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.deployment_plan import announce, deployment_plan
 from kvtier.integrations.vllm.events import UNPUBLISHED, KVEvents
-from kvtier.integrations.vllm.groups import Window, servable_groups
-from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
+from kvtier.integrations.vllm.hook_clock import HookClock, timed
+from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity
 from kvtier.integrations.vllm.origins import kv_events
-from kvtier.integrations.vllm.parallel import Split
 from kvtier.integrations.vllm.ranks import RankResults
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
-from kvtier.integrations.vllm.settings import (
-    ConnectorSettings,
-    check_vllm_version,
-    prior,
-    settings,
-)
+from kvtier.integrations.vllm.settings import check_vllm_version, prior, settings
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
-from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
-from kvtier.tier import (
-    GIB,
-    Faults,
-    Fingerprint,
-    Job,
-    Result,
-    SchedulerTier,
-    TierConfig,
-    build_scheduler_side,
-    check_fits,
-    heads_first_coded_shape,
-    host_slot_count,
-    host_slot_nbytes,
-)
-
-log = logging.getLogger(__name__)
+from kvtier.integrations.vllm.worker_side import WorkerSide
+from kvtier.tier import Faults, Job, Result, SchedulerTier, build_scheduler_side
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -89,6 +67,7 @@ class KvtierMetadata(KVConnectorMetadata):
     invalid: tuple[int, ...] = ()
     # finished requests whose last stores are among `jobs`: done once this step has saved
     sending: tuple[str, ...] = ()
+    idle: bool = False  # no tokens scheduled: the worker may wait for fetches below host
 
 
 @dataclass
@@ -97,57 +76,39 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     the ranks' metadata; the scheduler combines each job's ranks, `RankResults`)."""
 
     by_rank: tuple[tuple[int, tuple[Result, ...]], ...] = ()
+    # the worker's seconds in each hook since its last metadata, summed over its ranks
+    hook_seconds: tuple[tuple[str, float], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
-        return KvtierWorkerMetadata(self.by_rank + other.by_rank)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What both processes derive alike from vLLM's configuration. Under tensor parallelism
-    a block here is one rank's slice of it (its heads, all layers): each rank stores, writes
-    below host and restores only its own slice, in its own storage."""
-
-    block_size: int
-    block_nbytes: int  # one block of one rank, all layers
-    expected: ExpectedLayout
-    fingerprint: Fingerprint  # rank-free: the chain every rank's keys come from
-    world_size: int
-    rank: int  # this process's worker rank (0 in the scheduler: it reads rank 0's storage)
-    config: TierConfig  # this rank's share of the sizes, its own disk directory
-    windows: tuple[Window | None, ...]  # per KV cache group (None: every block is kept)
-
-    @property
-    def namespace(self) -> bytes:
-        """What this rank's blocks below host carry (and its Redis keys start with): a block
-        of another fingerprint, split or rank is refused."""
-        if self.world_size == 1:
-            return self.fingerprint.namespace()
-        return self.fingerprint.of_shard(f"rank={self.rank}").namespace()
+        return KvtierWorkerMetadata(self.by_rank + other.by_rank,
+                                    self.hook_seconds + other.hook_seconds)
 
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        self.clock = HookClock()  # kvtier's own seconds in each hook (hook_clock.py)
+        self._worker_hooks: Counter[str] = Counter()  # from the worker ranks' metadata
         check_vllm_version(vllm.__version__)
         self.config, self.settings = settings(
             self._kv_transfer_config.kv_connector_extra_config)
         scheduler = role is KVConnectorRole.SCHEDULER
         rank = 0 if scheduler else int(vllm_config.parallel_config.rank)
-        plan = _plan(vllm_config, kv_cache_config, self.config, self.settings, rank)
+        plan = deployment_plan(vllm_config, kv_cache_config, self.config, self.settings, rank)
         self.tier: SchedulerTier | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self.rank = rank
+        self.world_size = plan.world_size
         self._ranks = RankResults(plan.world_size)
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[list[int]]] = {}  # per KV cache group
         self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
         self.events: KVEvents | None = None  # only when vLLM publishes KV events
         if scheduler:
-            _announce(plan, self.config)
+            announce(plan, self.config)
             self.events = kv_events(vllm_config, kv_cache_config, self._requests.get,
                                     plan.block_size)
             self.tier = build_scheduler_side(plan.config, plan.block_size, plan.block_nbytes,
@@ -162,6 +123,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side -----------------------------------------------------------------
 
+    @timed(begins_step=True)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
@@ -175,6 +137,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                           num_computed_tokens, request.num_prompt_tokens)
         return n, False
 
+    @timed(begins_step=True)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self.scheduler is not None
@@ -183,6 +146,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._blocks[request.request_id] = block_ids
             self.scheduler.allocated(request.request_id, block_ids, num_external_tokens)
 
+    @timed(begins_step=True)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         for new in scheduler_output.scheduled_new_reqs:
@@ -202,21 +166,27 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                      if rid in self._requests and rid in self._blocks]
         sending = tuple(self.scheduler.take_sending())  # their stores are in this step's jobs
         jobs = tuple(self.scheduler.step(scheduled))
-        return KvtierMetadata(jobs, tuple(sorted(self.scheduler.take_invalid())), sending)
+        return KvtierMetadata(jobs, tuple(sorted(self.scheduler.take_invalid())), sending,
+                              idle=scheduler_output.total_num_scheduled_tokens == 0)
 
+    @timed()
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
+            for hook, seconds in meta.hook_seconds:
+                self._worker_hooks[hook] += seconds
             for rank, results in meta.by_rank:
                 combined = self._ranks.add(rank, results)
                 if combined:
                     self.scheduler.apply(combined)
 
+    @timed()
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
+    @timed()
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Full blocks are stored as they fill; a sliding-window group's window before the
@@ -232,6 +202,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             params = {}  # where another tenant's prefix lived is nobody else's business
         return hold, params or None
 
+    @timed()
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtier's host and disk residency since the last step as vLLM's KV events (medium
         CPU, STORAGE) under vLLM's own block hashes, when vLLM publishes KV events."""
@@ -239,15 +210,26 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return ()
         return self.events.take(self.tier.manager.take_residency_changes())
 
+    @timed()
     def has_pending_push_work(self) -> bool:
         """Jobs decided or running (writes on to disk and Redis): keep vLLM stepping."""
         return self.scheduler is not None and self.scheduler.busy
 
+    @timed()
     def get_kv_connector_stats(self) -> KvtierStats | None:
-        """Scheduler side: kvtier's counters since the last step (worker side: none)."""
+        """Scheduler side: kvtier's counters since the last step (worker side: none), with
+        the seconds its hooks took and the steps they ran in (`hook_clock.py`)."""
         if self.scheduler is None:
             return None
+        self.clock.end_step()  # vLLM calls this once a step, in its update
         data = self.scheduler.take_stats()
+        hooks, step = self.clock.take()
+        # the worker ranks run side by side: their mean is what a step waits for
+        hooks.update({h: s / self.world_size for h, s in self._worker_hooks.items()})
+        self._worker_hooks.clear()
+        data.update({f"hook_seconds|{h}": s for h, s in hooks.items() if s > 0})
+        if step > 0:
+            data["step_seconds"] = step
         return KvtierStats(data=data) if data else None
 
     @classmethod
@@ -272,11 +254,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         self.worker_side.register(kv_caches)
 
+    @timed()
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
         if isinstance(meta, KvtierMetadata):
-            self.worker_side.load(meta.jobs, meta.invalid)
+            self.worker_side.load(meta.jobs, meta.invalid, meta.idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -285,6 +268,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                       **kwargs: Any) -> None:
         return  # whole blocks are copied in wait_for_save, all layers at once
 
+    @timed()
     def wait_for_save(self) -> None:
         assert self.worker_side is not None
         if self.has_connector_metadata():
@@ -292,6 +276,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(meta, KvtierMetadata):
                 self.worker_side.save(meta.jobs, meta.sending)
 
+    @timed()
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose held blocks this worker has copied: vLLM may free them."""
@@ -299,14 +284,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         return self.worker_side.take_sent() or None, None
 
+    @timed()
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors() if self.worker_side is not None else set()
 
+    @timed()
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker_side is None:
             return None
         results = self.worker_side.take_results()
-        return KvtierWorkerMetadata(((self.rank, tuple(results)),)) if results else None
+        hooks, _ = self.clock.take()
+        return KvtierWorkerMetadata(((self.rank, tuple(results)),) if results else (),
+                                    tuple((h, s) for h, s in hooks.items() if s > 0))
 
     def shutdown(self) -> None:
         if self.worker_side is not None:
@@ -324,88 +313,3 @@ def _salt(request: Request, adapters: AdapterMemo) -> str | None:
         if adapter is None:
             return None
     return f"{request.cache_salt or ''}\x00lora={adapter}"
-
-
-def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
-    """What decides how the attention kernels lay a block's bytes out: the CPU ISA; on CUDA
-    the attention backend asked for (or "auto") and the GPU's compute capability, from which
-    vLLM's automatic choice follows."""
-    if platform.device_type == "cpu":
-        return f"cpu-{torch.backends.cpu.get_cpu_capability()}"
-    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    capability = platform.get_device_capability()
-    sm = "unknown" if capability is None else f"{capability.major}{capability.minor}"
-    return f"cuda-sm{sm}-{getattr(chosen, 'name', chosen) or 'auto'}"
-
-
-def _announce(plan: _Plan, config: TierConfig) -> None:
-    """Say at start how the tier is sized across ranks (the scheduler's process, once), and
-    refuse a total the host cannot hold (each rank checks only its own share)."""
-    if plan.world_size == 1:
-        return
-    check_fits(config.kv_offloading_size * GIB)
-    disk = (f"; disk_kv_size={config.disk_kv_size:g} GiB in total, one file per rank under "
-            f"{config.disk_kv_path}/rank<r>") if config.disk_enabled else ""
-    log.info("kvtier: %d tensor-parallel ranks: kv_offloading_size=%g GiB in total, %g GiB "
-             "per rank: %d host slots of %d bytes (one rank's heads of a block)%s",
-             plan.world_size, config.kv_offloading_size, plan.config.kv_offloading_size,
-             plan.expected.host_slots, plan.block_nbytes, disk)
-
-
-def _plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-          config: TierConfig, own: ConnectorSettings, rank: int) -> _Plan:
-    split = Split.of(vllm_config.parallel_config)
-    share = split.share(config, rank)
-    served = servable_groups(kv_cache_config.kv_cache_groups if kv_cache_config else None)
-    assert kv_cache_config is not None
-    spec = served[0].group.kv_cache_spec  # every group's blocks have its shape
-    platform = vllm.platforms.current_platform
-    if platform.device_type not in ("cpu", "cuda"):
-        raise ConfigError(f"kvtier's connector runs on vLLM's CPU and CUDA backends; this is "
-                          f"{platform.device_type} (its paged layout is not supported)")
-    block_size = int(spec.block_size)
-    # LBHNC (vLLM CPU's only layout; requested on CUDA by get_required_kvcache_layout):
-    # each layer [num_blocks, num_kv_heads, block_size, head_size + head_size_v], the heads
-    # this rank holds (the spec is rank 0's worker's, and every rank holds as many)
-    width = int(spec.head_size) + int(getattr(spec, "head_size_v", None) or spec.head_size)
-    layer_block_shape = (int(spec.num_kv_heads), block_size, width)
-    # a block spans the largest group's layers: under the hybrid allocator every group's
-    # layer i is one shared tensor (a block id is one group's at a time)
-    layers = tuple(max((g.group for g in served), key=lambda g: len(g.layer_names)).layer_names)
-    dtype = spec.dtype
-    nbytes = len(layers) * math.prod(layer_block_shape) * \
-        torch.empty((), dtype=dtype).element_size()
-    if config.kv_offload_dtype and width % 2:
-        raise ConfigError(f"kv_offload_dtype={config.kv_offload_dtype} needs K and V of one "
-                          f"head size (this model's are {spec.head_size} and "
-                          f"{width - int(spec.head_size)}); unset it")
-    slot_bytes = host_slot_nbytes(nbytes, heads_first_coded_shape(len(layers), layer_block_shape),
-                                  config.kv_offload_dtype or "")
-    try:
-        host_slots = host_slot_count(share.kv_offloading_size, slot_bytes)
-    except ConfigError as e:
-        if split.world_size == 1:
-            raise
-        raise ConfigError(f"{e} (kv_offloading_size={config.kv_offloading_size:g} GiB is the "
-                          f"total over {split.world_size} ranks: each gets 1/"
-                          f"{split.world_size})") from None
-    expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
-                              host_slots)
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
-    if len(served) > 1 or served[0].window is not None:  # how each group keeps its blocks
-        backend += "-" + "|".join(g.describe for g in served)
-    fingerprint = Fingerprint(
-        weights_digest=weights_identity(model.model, model.revision,
-                                        pinned=own.model_identity),
-        architecture=model.hf_config.to_json_string(use_diff=False),
-        kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}",
-        block_size=block_size,
-        tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV
-        attention_backend=backend,
-        kv_offload_encoding=config.kv_offload_dtype or "",
-        parallel=split.describe(),
-    )
-    return _Plan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share,
-                 tuple(g.window for g in served))

@@ -26,9 +26,9 @@ the next token still reads, `[first_needed(n), n)` of a hit of n blocks, vLLM's 
 before them. Per request kvtier stores a window group's window before the prompt's own hit
 boundary, and at the request's end the window before its final boundary (`finish_windows`:
 vLLM holds those blocks until the next step has copied them): bounded by the window, not the
-prompt. It offers the longest hit every group can serve whole. Should vLLM's allocation
-ever disagree with that rule, the request's blocks are reported as load errors
-(`take_invalid`), so vLLM recomputes them: never a block read that was not loaded.
+prompt. It offers the longest hit every group can serve whole. An allocation that disagrees
+with that rule has its blocks reported as load errors (`take_invalid`): vLLM recomputes them.
+Each request's wake is timed mark by mark (`wake_timeline.py`, in its kv_transfer_params).
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.integrations.vllm.counters import tier_counters
 from kvtier.integrations.vllm.events import UNPUBLISHED, BlockRecorder
 from kvtier.integrations.vllm.groups import Window
+from kvtier.integrations.vllm.wake_timeline import WakeTimeline
 from kvtier.tier import (
     NO_MATCH,
     BlockKey,
+    FetchDone,
     Job,
     LoadDone,
     Match,
@@ -84,6 +87,7 @@ class _Request:
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
     restored: int = 0  # tokens vLLM skipped computing because a load of ours landed
+    timeline: WakeTimeline = field(default_factory=WakeTimeline.start)  # from the first ask
 
 
 class SchedulerSide:
@@ -130,7 +134,10 @@ class SchedulerSide:
         if match is None or match.fetching:  # a presence answer or a fetch is on its way
             if match is not None:
                 self.recorder.fetching(request_id, need, st.group_keys)
+                if st.timeline.fetch_started is None:
+                    st.timeline.fetch_started = WakeTimeline.now()
             return None
+        st.timeline.answered = WakeTimeline.now()
         st.looked_up = (last - d) * bs
         if not match.load_keys:
             st.match = match
@@ -188,6 +195,7 @@ class SchedulerSide:
         if st is None:
             return None
         self.recorder.settled(request_id)  # a fetch lands before vLLM admits the request
+        st.timeline.allocated = WakeTimeline.now()
         if not st.counted:  # the lookup vLLM acted on: retries while it waited do not count
             st.counted = True
             self._counts["lookup_tokens"] += st.looked_up
@@ -299,10 +307,16 @@ class SchedulerSide:
 
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
-            if isinstance(event, LoadDone):
+            if isinstance(event, FetchDone):
+                if event.request_id in self.requests:
+                    self.requests[event.request_id].timeline.fetched(event.finished_at,
+                                                                     event.seconds)
+            elif isinstance(event, LoadDone):
                 request_id, tokens, groups = self._restoring.pop(event.job_id,
                                                                  ("", 0, Counter()))
                 st = self.requests.get(request_id)
+                if st is not None:
+                    st.timeline.loaded(event.finished_at, event.seconds)
                 if event.success:
                     self._counts["restored_tokens"] += tokens
                     self._counts["restore_seconds"] += event.seconds
@@ -314,35 +328,13 @@ class SchedulerSide:
                     st.restored -= tokens
 
     def take_stats(self) -> dict[str, float]:
-        """What happened since the last call (vLLM sums the reports). Keys with a tier (and a
-        reason) carry them after '|': `fetched_blocks|disk`, `miss_blocks|disk|checksum`."""
-        now = self._totals()
+        """What happened since the last call (vLLM sums the reports), keyed as `counters.py`
+        says: `fetched_blocks|disk`, `miss_blocks|disk|checksum`."""
+        now = tier_counters(self.manager.report(), self.world_size)
         delta = {key: value - self._reported.get(key, 0) for key, value in now.items()}
         self._reported = now
         counts, self._counts = self._counts, Counter()
         return {key: value for key, value in {**counts, **delta}.items() if value}
-
-    def _totals(self) -> dict[str, float]:
-        """The tier's monotonic counters (its report), by the names vLLM's metrics carry."""
-        report = self.manager.report()
-        s = report.transfers
-        out: dict[str, float] = {
-            "restore_bytes": s.loaded_bytes, "failed_loads": s.failed_loads,
-            "stored_blocks": s.stored_blocks, "stored_bytes": s.stored_bytes,
-            "failed_stores": s.failed_stores, "store_refused": s.store_refused}
-        b = report.below
-        if b is not None:
-            for name, counter in (("written_blocks", b.written_blocks),
-                                  ("written_bytes", b.written_bytes),
-                                  ("write_failures", b.write_failures),
-                                  ("fetched_blocks", b.fetched_blocks),
-                                  ("fetched_bytes", b.fetched_bytes)):
-                out.update({f"{name}|{tier}": n for tier, n in counter.items()})
-            for label, n in b.misses.items():  # "tier:reason"
-                tier, _, reason = label.partition(":")
-                out[f"miss_blocks|{tier}|{reason}"] = n
-        return {key: value * self.world_size if key.partition("|")[0].endswith("_bytes")
-                else value for key, value in out.items()}
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what kvtier did for it (vLLM's kv_transfer_params), as the
@@ -353,6 +345,7 @@ class SchedulerSide:
         st = self.requests.pop(request_id, None)
         if st is None:
             return {}
+        st.timeline.finished = WakeTimeline.now()
         # tokens vLLM did not compute thanks to kvtier (a window group loads fewer: its
         # bytes are in the counters)
         restored = 0 if outcome.failed else st.restored
@@ -363,7 +356,9 @@ class SchedulerSide:
                 "kvtier_restored_tokens": restored,
                 "kvtier_restore_s": round(outcome.seconds, 6),
                 # restored from 8-bit blocks (kv_offload_dtype): close to, not exactly, the KV
-                "kvtier_lossy": bool(restored and outcome.lossy)}
+                "kvtier_lossy": bool(restored and outcome.lossy),
+                # when each step of its wake happened (wake_timeline.py)
+                "kvtier_timeline": st.timeline.as_params()}
 
     def _group_label(self, g: int) -> str:
         w = self.windows[g]

@@ -28,6 +28,8 @@ COUNTERS = {
     "stored_bytes": "Bytes stored device -> host",
     "failed_stores": "Device -> host stores that failed (never served)",
     "store_refused": "Stores the host tier had no room for",
+    "step_seconds": "Seconds of engine steps, from the first connector hook of vLLM's "
+                    "schedule() to its update (what kvtier's hook seconds are a share of)",
 }
 # data key "family|label[|label]" -> (labels after vLLM's, what it counts)
 LABELLED = {
@@ -36,6 +38,8 @@ LABELLED = {
     "write_failures": (("tier",), "Blocks a tier below host failed to take (not misses)"),
     "fetched_blocks": (("tier",), "Blocks fetched into host from a tier below it, verified"),
     "fetched_bytes": (("tier",), "Bytes fetched into host from a tier below it"),
+    "hook_seconds": (("hook",), "Seconds kvtier spent in each of vLLM's connector hooks (a "
+                                "worker's: the mean over its tensor-parallel ranks)"),
     "restored_blocks": (("group",), "Blocks restored into vLLM's KV cache, per KV cache group "
                                     "(its index and kind: full, or window=<tokens>)"),
     "miss_blocks": (("tier", "reason"), "Blocks found below host but not served, by reason "

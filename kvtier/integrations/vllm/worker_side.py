@@ -35,6 +35,11 @@ from kvtier.tier import (
     heads_first_coded_shape,
 )
 
+# How long a step with no tokens to compute waits for a fetch below host. Under vLLM on 2
+# cores, an engine spinning empty steps held the GIL beside the I/O thread while a woken
+# request's fetch ran; a request arriving meanwhile waits at most this long for its step.
+IDLE_FETCH_WAIT_S = 0.02
+
 
 @dataclass(frozen=True)
 class ExpectedLayout:
@@ -138,10 +143,13 @@ class WorkerSide:
                               f"scheduler planned {self.expected.host_slots}; refusing to run")
         self.worker = worker
 
-    def load(self, jobs: Sequence[Job], invalid: Sequence[int] = ()) -> None:
+    def load(self, jobs: Sequence[Job], invalid: Sequence[int] = (), idle: bool = False) -> None:
         """Host -> device jobs, complete before the forward pass reads the blocks; jobs
         below host start on the I/O thread (fetches ahead of writes). `invalid`: blocks the
-        scheduler side did not load though vLLM counts them restored: load errors."""
+        scheduler side did not load though vLLM counts them restored: load errors. `idle`:
+        this step computes nothing, so it waits (up to IDLE_FETCH_WAIT_S) for fetches
+        below host: their results go back in this step instead of the engine spinning empty
+        steps beside the I/O thread, and the waiting request is offered its prefix at once."""
         self._load_errors.update(invalid)
         self._run([j for j in jobs if j.dst is Medium.DEVICE])
         below = [j for j in jobs if j.below_host]
@@ -152,6 +160,8 @@ class WorkerSide:
             return
         for job in below:
             self.worker.submit(job)
+        if idle:
+            self._results += self.worker.wait_fetches(IDLE_FETCH_WAIT_S)
 
     def save(self, jobs: Sequence[Job], sending: Sequence[str] = ()) -> None:
         """Device -> host jobs of blocks this step filled, complete before vLLM may reuse them;

@@ -5,6 +5,7 @@ Primitives:
   submit(job)                  a write (host rows -> tier) or a fetch (tier -> host rows)
   poll() -> [Result]           jobs finished since the last poll; never blocks
   wait_any()                   block until a job finishes
+  wait_fetches(timeout)        block until no fetch is queued or running (an idle caller)
   close()                      stop the thread; unfinished jobs fail (and count as misses)
 One I/O thread, fetches first (a request waits on them; a write yields to one between its
 pieces). Every fetched block is checked on
@@ -82,6 +83,7 @@ class TierIO:
         self._done: dict[int, Result] = {}
         self._order: dict[int, int] = {}  # job id -> submission order, for delivery
         self._submitted = 0
+        self._fetches = 0  # fetches submitted and not finished
         self._closing = False
         self._yielded = 0.0  # I/O thread only: fetch seconds inside the job being timed
         self._quiet_until = 0.0  # I/O thread only: writes wait until then after a fetch
@@ -99,6 +101,7 @@ class TierIO:
             self._submitted += 1
             if job.dst is Medium.HOST:  # a fetch: a request waits on it
                 self._queue.appendleft(job)
+                self._fetches += 1
             else:
                 self._queue.append(job)
             self._cond.notify_all()
@@ -120,6 +123,13 @@ class TierIO:
         """Block until at least one job has finished (or `timeout`); deliver all finished."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._done) or self._closing, timeout)
+        return self.poll()
+
+    def wait_fetches(self, timeout: float) -> list[Result]:
+        """Block until every fetch submitted has finished (or `timeout`); deliver all
+        finished. For a caller with nothing else to do: an engine step with no tokens."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._fetches or self._closing, timeout)
         return self.poll()
 
     def close(self) -> None:
@@ -161,12 +171,14 @@ class TierIO:
             tier = job.src if job.dst is Medium.HOST else job.dst
             reason = self._note(tier, Reason.ERROR, f"{type(e).__name__}: {e}")
             ok, reasons, nbytes = [False] * n, [reason] * n, 0
-        seconds = time.perf_counter() - start - self._yielded
+        ended = time.perf_counter()
+        seconds = ended - start - self._yielded
         if job.dst is Medium.HOST:  # a wake: its load and first token come next
-            self._quiet_until = time.perf_counter() + WAKE_QUIET_S
-        result = Result(job.id, tuple(ok), tuple(reasons), nbytes, seconds)
+            self._quiet_until = ended + WAKE_QUIET_S
+        result = Result(job.id, tuple(ok), tuple(reasons), nbytes, seconds, ended)
         with self._cond:
             self._done[job.id] = result
+            self._fetches -= job.dst is Medium.HOST
             self._cond.notify_all()
         return seconds + self._yielded
 

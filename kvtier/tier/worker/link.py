@@ -36,7 +36,7 @@ from kvtier.tier.faults import LinkFault, no_link_fault
 from kvtier.tier.jobs import Job, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout, as_layout
-from kvtier.tier.worker.copy import layer_index, move_blocks, move_layer
+from kvtier.tier.worker.copy import CopyTeam, layer_index, move_blocks, move_layer
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link_job import LOAD, STORE, Copy, JobState, check_link_job
 from kvtier.tier.worker.link_stats import DirectionCounter, TransferStats
@@ -63,7 +63,9 @@ class TransferEngine:
         blocks_per_chunk: int = 16,
         fault: LinkFault = no_link_fault,
         store_gbps: float | None = None,
+        load_threads: int = 1,
     ) -> None:
+        """`load_threads`: CPU threads that share a whole-block load (`copy.CopyTeam`)."""
         layout = as_layout(device)
         if layout.block_shape != host.block_shape or layout.dtype != host.dtype:
             raise ConfigError(
@@ -87,6 +89,7 @@ class TransferEngine:
         self.fault = fault
         self.store_gbps = store_gbps  # CPU: cap on store bandwidth, so stores yield to compute
         self._cuda = layout.is_cuda
+        self._team = CopyTeam(1 if self._cuda else load_threads)
         self._streams: dict[Medium, Any] = {}
         if self._cuda:
             self._streams = {d: torch.cuda.Stream(device=layout.device) for d in (LOAD, STORE)}
@@ -215,6 +218,7 @@ class TransferEngine:
             self._closing = True
             self._cond.notify_all()
         self._worker.join(timeout=CLOSE_JOIN_S)
+        self._team.close()
         for stream in self._streams.values():
             stream.synchronize()  # nothing issued is still writing when close returns
         with self._cond:
@@ -310,7 +314,8 @@ class TransferEngine:
         per_step = spec.num_blocks if job.direction is LOAD else self.blocks_per_chunk
         lo, hi = idx * per_step, (idx + 1) * per_step
         return move_blocks(self.layout, host, spec.device_blocks[lo:hi],
-                           spec.host_slots[lo:hi], job.direction is STORE, encoding)
+                           spec.host_slots[lo:hi], job.direction is STORE, encoding,
+                           self._team if job.direction is LOAD else None)
 
     def _fail(self, job: Copy, error: str) -> None:
         event = None

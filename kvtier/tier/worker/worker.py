@@ -6,6 +6,8 @@ Primitives:
   poll() -> [Result]          jobs finished since the last poll; never blocks
   wait(job_id) -> Result      block until one device <-> host job is complete
   wait_any() -> [Result]      block until some job finishes (the oldest link job first)
+  wait_fetches(timeout) -> [Result]   block until no fetch below host is outstanding (or
+                              `timeout`): for a caller whose step has nothing else to do
   wait_layer(job_id, layer)   a layerwise load's layer `layer` can be read (False: it failed)
   close() -> [Result]         stop both threads; the jobs that never ran come back failed
   report() -> WorkerReport    the link's traffic, the host pool's memory, the stores' state
@@ -81,6 +83,11 @@ class TierWorker:
         if self.io.busy:
             return self.io.wait_any(timeout=IO_WAIT_S)
         return []
+
+    def wait_fetches(self, timeout: float) -> list[Result]:
+        """Results of the I/O thread, once no fetch into host rows is outstanding (or after
+        `timeout`): an idle engine step spends its time here instead of spinning."""
+        return self.io.wait_fetches(timeout)
 
     def wait_layer(self, job_id: int, layer: int) -> bool:
         return self.link.wait_layer(job_id, layer)

@@ -232,3 +232,37 @@ def test_block_runs_group_consecutive_pairs() -> None:
     # blocks [3, 4, 5, 9] -> slots [7, 8, 2, 3]: (3, 7) x2, (5, 2), (9, 3)
     assert block_runs([3, 4, 5, 9], [7, 8, 2, 3]) == [(3, 7, 2), (5, 2, 1), (9, 3, 1)]
     assert block_runs([], []) == []
+
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["contiguous", "per-layer"])
+def test_a_load_shared_by_a_copy_team_is_byte_exact(per_layer: bool) -> None:
+    from kvtier.tier.layout import KVLayout
+    from kvtier.tier.worker.copy import TEAM_MIN_BYTES, CopyTeam, _share
+
+    kv = torch.randn(64, 3, 64, 2, 2, 32)  # 96 KiB blocks: 48 of them are worth a team
+    layers = [kv[:, i].clone() for i in range(3)]
+    device = KVLayout.from_layers(layers) if per_layer else KVLayout.from_contiguous(kv)
+
+    def block(b: int) -> list[torch.Tensor]:
+        return [t[b].clone() for t in layers] if per_layer else [kv[b].clone()]
+
+    blocks = list(range(48))
+    source = [block(b) for b in blocks]
+    assert 48 * kv[0].numel() * 4 >= TEAM_MIN_BYTES
+    with TransferEngine(device, HostPool.like(device, 64), load_threads=2) as engine:
+        assert engine.wait(engine.submit(store(blocks, blocks)), timeout=5).success
+        fresh = [63, *range(10, 40), 1, 5, 7, *range(41, 55)]  # scattered, runs among them
+        assert engine.wait(engine.submit(load(fresh, blocks)), timeout=5).success
+    for want, b in zip(source, fresh):
+        assert all(torch.equal(x, y) for x, y in zip(block(b), want))
+    # one run alone is split between the threads: the pieces cover it once
+    dst = torch.zeros(10, 1000)
+    groups = _share([(dst, torch.randn(10, 1000))], 2)
+    assert [sum(p[0].shape[0] for p in g) for g in groups] == [5, 5]
+    team = CopyTeam(2)
+    src = torch.randn(10, 1 << 20)
+    big = torch.zeros_like(src)
+    team.run([(big, src)])
+    team.close()
+    assert torch.equal(big, src)

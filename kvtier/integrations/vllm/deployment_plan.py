@@ -1,0 +1,144 @@
+"""What the connector's scheduler and worker processes derive alike from vLLM's configuration:
+block geometry, the expected KV layout, the fingerprint every stored block carries, and each
+tensor-parallel rank's share of the tier's sizes."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.groups import Window, servable_groups
+from kvtier.integrations.vllm.identity import weights_identity
+from kvtier.integrations.vllm.parallel import Split
+from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.worker_side import ExpectedLayout
+from kvtier.tier import (
+    GIB,
+    Fingerprint,
+    TierConfig,
+    check_fits,
+    heads_first_coded_shape,
+    host_slot_count,
+    host_slot_nbytes,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """What both processes derive alike from vLLM's configuration. Under tensor parallelism
+    a block here is one rank's slice of it (its heads, all layers): each rank stores, writes
+    below host and restores only its own slice, in its own storage."""
+
+    block_size: int
+    block_nbytes: int  # one block of one rank, all layers
+    expected: ExpectedLayout
+    fingerprint: Fingerprint  # rank-free: the chain every rank's keys come from
+    world_size: int
+    rank: int  # this process's worker rank (0 in the scheduler: it reads rank 0's storage)
+    config: TierConfig  # this rank's share of the sizes, its own disk directory
+    windows: tuple[Window | None, ...]  # per KV cache group (None: every block is kept)
+
+    @property
+    def namespace(self) -> bytes:
+        """What this rank's blocks below host carry (and its Redis keys start with): a block
+        of another fingerprint, split or rank is refused."""
+        if self.world_size == 1:
+            return self.fingerprint.namespace()
+        return self.fingerprint.of_shard(f"rank={self.rank}").namespace()
+
+
+def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
+    """What decides how the attention kernels lay a block's bytes out: the CPU ISA; on CUDA
+    the attention backend asked for (or "auto") and the GPU's compute capability, from which
+    vLLM's automatic choice follows."""
+    if platform.device_type == "cpu":
+        return f"cpu-{torch.backends.cpu.get_cpu_capability()}"
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    capability = platform.get_device_capability()
+    sm = "unknown" if capability is None else f"{capability.major}{capability.minor}"
+    return f"cuda-sm{sm}-{getattr(chosen, 'name', chosen) or 'auto'}"
+
+
+def announce(plan: DeploymentPlan, config: TierConfig) -> None:
+    """Say at start how the tier is sized across ranks (the scheduler's process, once), and
+    refuse a total the host cannot hold (each rank checks only its own share)."""
+    if plan.world_size == 1:
+        return
+    check_fits(config.kv_offloading_size * GIB)
+    disk = (f"; disk_kv_size={config.disk_kv_size:g} GiB in total, one file per rank under "
+            f"{config.disk_kv_path}/rank<r>") if config.disk_enabled else ""
+    log.info("kvtier: %d tensor-parallel ranks: kv_offloading_size=%g GiB in total, %g GiB "
+             "per rank: %d host slots of %d bytes (one rank's heads of a block)%s",
+             plan.world_size, config.kv_offloading_size, plan.config.kv_offloading_size,
+             plan.expected.host_slots, plan.block_nbytes, disk)
+
+
+def deployment_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+          config: TierConfig, own: ConnectorSettings, rank: int) -> DeploymentPlan:
+    split = Split.of(vllm_config.parallel_config)
+    share = split.share(config, rank)
+    served = servable_groups(kv_cache_config.kv_cache_groups if kv_cache_config else None)
+    assert kv_cache_config is not None
+    spec = served[0].group.kv_cache_spec  # every group's blocks have its shape
+    platform = vllm.platforms.current_platform
+    if platform.device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"kvtier's connector runs on vLLM's CPU and CUDA backends; this is "
+                          f"{platform.device_type} (its paged layout is not supported)")
+    block_size = int(spec.block_size)
+    # LBHNC (vLLM CPU's only layout; requested on CUDA by get_required_kvcache_layout):
+    # each layer [num_blocks, num_kv_heads, block_size, head_size + head_size_v], the heads
+    # this rank holds (the spec is rank 0's worker's, and every rank holds as many)
+    width = int(spec.head_size) + int(getattr(spec, "head_size_v", None) or spec.head_size)
+    layer_block_shape = (int(spec.num_kv_heads), block_size, width)
+    # a block spans the largest group's layers: under the hybrid allocator every group's
+    # layer i is one shared tensor (a block id is one group's at a time)
+    layers = tuple(max((g.group for g in served), key=lambda g: len(g.layer_names)).layer_names)
+    dtype = spec.dtype
+    nbytes = len(layers) * math.prod(layer_block_shape) * \
+        torch.empty((), dtype=dtype).element_size()
+    if config.kv_offload_dtype and width % 2:
+        raise ConfigError(f"kv_offload_dtype={config.kv_offload_dtype} needs K and V of one "
+                          f"head size (this model's are {spec.head_size} and "
+                          f"{width - int(spec.head_size)}); unset it")
+    slot_bytes = host_slot_nbytes(nbytes, heads_first_coded_shape(len(layers), layer_block_shape),
+                                  config.kv_offload_dtype or "")
+    try:
+        host_slots = host_slot_count(share.kv_offloading_size, slot_bytes)
+    except ConfigError as e:
+        if split.world_size == 1:
+            raise
+        raise ConfigError(f"{e} (kv_offloading_size={config.kv_offloading_size:g} GiB is the "
+                          f"total over {split.world_size} ranks: each gets 1/"
+                          f"{split.world_size})") from None
+    expected = ExpectedLayout(layers, int(kv_cache_config.num_blocks), layer_block_shape, dtype,
+                              host_slots)
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
+    if len(served) > 1 or served[0].window is not None:  # how each group keeps its blocks
+        backend += "-" + "|".join(g.describe for g in served)
+    fingerprint = Fingerprint(
+        weights_digest=weights_identity(model.model, model.revision,
+                                        pinned=own.model_identity),
+        architecture=model.hf_config.to_json_string(use_diff=False),
+        kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}",
+        block_size=block_size,
+        tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV
+        attention_backend=backend,
+        kv_offload_encoding=config.kv_offload_dtype or "",
+        parallel=split.describe(),
+    )
+    return DeploymentPlan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share,
+                 tuple(g.window for g in served))
