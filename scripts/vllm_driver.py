@@ -141,12 +141,19 @@ def main() -> int:
             "sent_at": t,  # perf_counter: one clock with the connector's wake timeline
         })
     metrics = {}
-    if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it)
-        for m in llm.get_metrics():
-            if m.name.startswith("vllm:kvtier") and hasattr(m, "value"):
-                extra = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+    if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it);
+        # read from the registry itself: llm.get_metrics() rounds counters to integers
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                if not (sample.name.startswith("vllm:kvtier")
+                        and sample.name.endswith("_total")):
+                    continue
+                extra = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
                                  if k not in ("engine", "model_name"))
-                metrics[m.name + (f"{{{extra}}}" if extra else "")] = m.value
+                name = sample.name.removesuffix("_total")
+                metrics[name + (f"{{{extra}}}" if extra else "")] = sample.value
     kv_events = listener.drain() if listener is not None else []
     print(MARK + json.dumps({"started_s": started, "results": out, "concurrent": together,
                              "metrics": metrics, "kv_events": kv_events}), flush=True)
