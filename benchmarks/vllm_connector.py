@@ -10,13 +10,21 @@ without AVX-512 BF16), 2 cores.
            vLLM's own prefix hit: plain vLLM with a pool that keeps every session (400
            blocks), the same prompts; each row's TTFT is printed as a ratio to it (targets:
            host <= 1.15x, disk and Redis <= 1.3x) and to the recompute.
+           Each wake is split by where its time went, from the connector's own timeline
+           (benchmarks/wake_breakdown.py): lookup, fetch below host, the wait for vLLM to ask
+           again, admission, the copy into vLLM's cache, the forward pass.
   no hit   decode and prefill of prompts that share nothing: what storing every full block
-           (and writing it on to disk or Redis) costs when nothing is ever hit (target: 5%)
+           (and writing it on to disk or Redis) costs when nothing is ever hit. Measured two
+           ways: kvtier's own seconds in vLLM's hooks as a share of the steps they ran in
+           (inside the process; target < 2%), and plain vLLM and vLLM with kvtier run
+           interleaved in rounds (plain, host, disk, Redis; --pairs rounds), each kvtier run's
+           request time divided by the plain run of its round: the paired ratio and its spread
 
   deployments   tensor parallel 2, a Gemma-3-style hybrid model and int8 demotion, each
            against vLLM's own prefix hit and its recompute (benchmarks/vllm_deployments.py)
 
-    python benchmarks/vllm_connector.py [--repeats 3] [--out DIR] [--no-deployments]
+    python benchmarks/vllm_connector.py [--repeats 3] [--pairs 3] [--out DIR]
+                                        [--no-deployments] [--only host,disk,redis]
 Needs the vLLM environment: bash scripts/vllm_env.sh.
 """
 
@@ -36,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 from tiers import Redis
+from wake_breakdown import hook_share, median_segments, print_breakdown
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -50,6 +59,7 @@ MARK = "KVTIER_RESULT "  # the driver's result line (vLLM logs to stdout as well
 OWN_HIT = "vllm own hit"  # plain vLLM whose pool keeps every session: the limit
 OWN_HIT_BLOCKS = 400
 LIMIT_TARGETS = {"host": 1.15, "disk": 1.3, "redis": 1.3}
+HOOK_SHARE_TARGET = 0.02
 
 
 def drive(model: Path, spec: dict[str, Any]) -> dict[str, Any]:
@@ -81,9 +91,12 @@ def wake_prompts(rng: random.Random, repeats: int) -> tuple[list[list[int]], lis
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="no-hit rounds (plain vLLM, then each tier) for the paired ratio")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-deployments", action="store_true",
                     help="skip the tensor-parallel, hybrid and int8 rows")
+    ap.add_argument("--only", default="host,disk,redis", help="the kvtier tiers to run")
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
         raise SystemExit("no vLLM environment: run bash scripts/vllm_env.sh first")
@@ -95,48 +108,54 @@ def main() -> int:
     rng = random.Random(0)
     prompts, follow_at = wake_prompts(rng, args.repeats)
     nohit = [[rng.randrange(100, 49000) for _ in range(512)] for _ in range(8)]
-    rows: dict[str, Any] = {}
     redis = Redis()
-    configs: list[tuple[str, dict[str, Any] | None]] = [
-        ("vllm", None), (OWN_HIT, None), ("vllm+kvtier host", HOST),
-        ("vllm+kvtier disk", {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"), "disk_kv_size": 2})]
+    tiers: dict[str, dict[str, Any]] = {
+        "host": HOST,
+        "disk": {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"), "disk_kv_size": 2}}
     if redis.url:
-        configs.append(("vllm+kvtier redis", {**SMALL_HOST, "remote_kv_url": redis.url}))
+        tiers["redis"] = {**SMALL_HOST, "remote_kv_url": redis.url}
     else:
         print(f"redis row skipped: {redis.reason}")
-    for name, connector in configs:
+    chosen = args.only.split(",")
+    configs: list[tuple[str, dict[str, Any] | None]] = [("vllm", None)] + [
+        (f"vllm+kvtier {t}", c) for t, c in tiers.items() if t in chosen]
+
+    def run(connector: dict[str, Any] | None, spec: dict[str, Any]) -> dict[str, Any]:
         redis.flush()
         if connector and "disk_kv_path" in connector:
             shutil.rmtree(connector["disk_kv_path"], ignore_errors=True)
+        return drive(model, {"connector": connector, "max_model_len": 4096, "metrics": True,
+                             **spec})
+
+    rows: dict[str, Any] = {}
+    for name, connector in [*configs[:1], (OWN_HIT, None), *configs[1:]]:
         pool = OWN_HIT_BLOCKS if name == OWN_HIT else 48
-        wake = drive(model, {"connector": connector, "blocks": pool, "max_model_len": 4096,
-                             "prompts": prompts, "max_tokens": 1})
-        if name == OWN_HIT:  # the limit: no no-hit run (it is plain vLLM's)
-            rows[name] = {"start_s": wake["started_s"],
-                          "wake_ttft_s": [wake["results"][i]["seconds"] for i in follow_at],
-                          "wake_cached_tokens": [wake["results"][i]["cached"]
-                                                 for i in follow_at],
-                          "wake_restored_tokens": [0] * len(follow_at),
-                          "wake_residency": ["vllm"] * len(follow_at),
-                          "nohit_request_s": [], "nohit_tokens": 0}
-            continue
-        decode = drive(model, {"connector": connector, "blocks": 48, "max_model_len": 4096,
-                               "prompts": nohit, "max_tokens": 64})
+        wake = run(connector, {"blocks": pool, "prompts": prompts, "max_tokens": 1})
         woken = [wake["results"][i] for i in follow_at]
-        gen = decode["results"]
+        params = [r["kv_transfer_params"] or {} for r in woken]
         rows[name] = {
             "start_s": wake["started_s"],
             "wake_ttft_s": [r["seconds"] for r in woken],
             "wake_cached_tokens": [r["cached"] for r in woken],
-            "wake_restored_tokens": [(r["kv_transfer_params"] or {}).get(
-                "kvtier_restored_tokens", 0) for r in woken],
-            "wake_residency": [(r["kv_transfer_params"] or {}).get("kvtier_residency", "none")
-                               for r in woken],
-            "nohit_request_s": [r["seconds"] for r in gen],
-            "nohit_tokens": sum(len(r["tokens"]) for r in gen),
+            "wake_restored_tokens": [p.get("kvtier_restored_tokens", 0) for p in params],
+            "wake_residency": [p.get("kvtier_residency", "vllm" if name == OWN_HIT else "none")
+                               for p in params],
+            "wake_breakdown_ms": median_segments(woken),
+            # the worker's host -> vLLM copy per wake (vllm:kvtier_restore_seconds)
+            "copy_ms_per_wake": 1e3 * wake["metrics"].get("vllm:kvtier_restore_seconds", 0.0)
+            / len(follow_at),
         }
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    for _ in range(args.pairs):  # plain vLLM first in every round: its pair
+        for name, connector in configs:
+            decode = run(connector, {"blocks": 48, "prompts": nohit, "max_tokens": 64})
+            gen = decode["results"]
+            rounds[name].append({
+                "request_s": statistics.median(r["seconds"] for r in gen),
+                "tokens": sum(len(r["tokens"]) for r in gen),
+                "hooks": hook_share(decode["metrics"]) if connector else None})
     redis.close()
-    summary = report(rows)
+    summary = report(rows, rounds)
     deployed: dict[str, Any] = {}
     if not args.no_deployments:
         from vllm_deployments import measure
@@ -144,48 +163,65 @@ def main() -> int:
 
         deployed["rows"] = measure(args.repeats, tmp / "tiny")
         deployed["summary"] = report_deployments(deployed["rows"])
-    path = write_result("vllm_connector", {"rows": rows, "summary": summary,
-                                           "session_tokens": SESSION,
+    path = write_result("vllm_connector", {"rows": rows, "nohit_rounds": rounds,
+                                           "summary": summary, "session_tokens": SESSION,
                                            "deployments": deployed}, args.out)
     print(f"wrote {path}")
     return 0
 
 
-def report(rows: dict[str, Any]) -> dict[str, Any]:
-    """The table, the targets, and the summary for the JSON."""
+def report(rows: dict[str, Any], rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The tables, the targets, and the summary for the JSON."""
     ttft_b = statistics.median(rows["vllm"]["wake_ttft_s"])
-    step_b = statistics.median(rows["vllm"]["nohit_request_s"])
     limit = statistics.median(rows[OWN_HIT]["wake_ttft_s"])
     print(f"{'config':<18} {'start s':>8} {'wake TTFT ms (p50)':>19} {'x own hit':>10} "
-          f"{'cached':>7} {'restored':>9} {'from':>7} {'no-hit request s (p50)':>23}")
-    summary: dict[str, Any] = {"own_hit_ttft_s": limit}
+          f"{'x recompute':>12} {'cached':>7} {'restored':>9} {'from':>7} {'copy ms':>8}")
+    summary: dict[str, Any] = {"own_hit_ttft_s": limit, "recompute_ttft_s": ttft_b}
     for name, r in rows.items():
         ttft = statistics.median(r["wake_ttft_s"])
-        step = statistics.median(r["nohit_request_s"]) if r["nohit_request_s"] else None
         where = "/".join(sorted(set(r["wake_residency"])))
         print(f"{name:<18} {r['start_s']:8.1f} {ttft * 1e3:19.0f} {ttft / limit:10.2f} "
-              f"{statistics.median(r['wake_cached_tokens']):7.0f} "
+              f"{ttft / ttft_b:12.3f} {statistics.median(r['wake_cached_tokens']):7.0f} "
               f"{statistics.median(r['wake_restored_tokens']):9.0f} {where:>7} "
-              f"{'-' if step is None else f'{step:.3f}':>23}")
-        if name not in ("vllm", OWN_HIT):
+              f"{r['copy_ms_per_wake']:8.1f}")
+        if name.startswith("vllm+kvtier"):
             tier = name.split()[-1]
             summary[f"wake_speedup_{tier}"] = ttft_b / ttft
             summary[f"wake_vs_own_hit_{tier}"] = ttft / limit
-            summary[f"nohit_cost_{tier}"] = (step or 0) / step_b - 1
-    for key, value in summary.items():
+    print_breakdown({name: r["wake_breakdown_ms"] for name, r in rows.items()
+                     if name.startswith("vllm+kvtier")})
+    print("(copy to vLLM reads 0 in the timeline where a request ends in the step its load "
+          "lands; the copy ms column is the worker's own, from vllm:kvtier_restore_seconds, "
+          "and it is inside 'forward' there)")
+    for key, value in list(summary.items()):
+        tier = key.split("_")[-1]
         if key.startswith("wake_vs_own_hit"):
-            tier = key.split("_")[-1]
             target = LIMIT_TARGETS[tier]
             print(f"woken from {tier}: {value:.2f}x vLLM's own prefix hit (target <= "
                   f"{target}x: {'PASS' if value <= target else 'MISS'})")
-        elif key == "own_hit_ttft_s":
+        elif key.startswith("wake_speedup"):
+            print(f"woken {SESSION}-token session from {tier}: {value:.1f}x faster than vLLM's "
+                  f"recompute (target >= 10x: {'PASS' if value >= 10 else 'MISS'})")
+    plain = [r["request_s"] for r in rounds["vllm"]]
+    print(f"no hits, {len(plain)} rounds; plain vLLM's request p50 "
+          f"{', '.join(f'{x:.3f}' for x in plain)} s")
+    for name, runs in rounds.items():
+        if name == "vllm":
             continue
-        elif key.startswith("wake"):
-            print(f"woken {SESSION}-token session from {key.split('_')[-1]}: {value:.1f}x faster "
-                  f"than vLLM's recompute (target >= 10x: {'PASS' if value >= 10 else 'MISS'})")
-        else:
-            print(f"no hits, storing every block ({key.split('_')[-1]}): {value:+.1%} per "
-                  f"request (target within 5%: {'PASS' if value <= 0.05 else 'MISS'})")
+        tier = name.split()[-1]
+        ratios = [r["request_s"] / p for r, p in zip(runs, plain)]
+        shares = [r["hooks"]["share"] for r in runs if r["hooks"]["share"] is not None]
+        share = statistics.median(shares) if shares else float("nan")
+        top = max(runs, key=lambda r: r["hooks"]["hook_seconds"])["hooks"]["by_hook"]
+        costly = ", ".join(f"{h} {s * 1e3:.0f} ms" for h, s in list(top.items())[:3])
+        summary[f"nohit_hook_share_{tier}"] = share
+        summary[f"nohit_paired_ratio_{tier}"] = statistics.median(ratios)
+        summary[f"nohit_paired_ratio_spread_{tier}"] = [min(ratios), max(ratios)]
+        print(f"no hits, storing every block ({tier}): kvtier's hooks {share:.2%} of step time "
+              f"(target < {HOOK_SHARE_TARGET:.0%}: "
+              f"{'PASS' if share < HOOK_SHARE_TARGET else 'MISS'}; costliest: {costly}); "
+              f"paired ratio to plain vLLM {statistics.median(ratios):.3f} "
+              f"(rounds {', '.join(f'{x:.3f}' for x in ratios)})")
     return summary
 
 
