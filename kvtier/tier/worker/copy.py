@@ -39,6 +39,7 @@ import torch
 
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.worker.codec import decode, decode_layer, encode_into
+from kvtier.tier.worker.threads import use_one_thread
 
 Run = tuple[int, int, int]  # (first device block, first host slot, number of blocks)
 
@@ -69,8 +70,8 @@ class CopyTeam:
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
-        self._pool = (ThreadPoolExecutor(self.threads - 1, "kvtier-copy", torch.set_num_threads,
-                                         (1,)) if self.threads > 1 else None)
+        self._pool = (ThreadPoolExecutor(self.threads - 1, "kvtier-copy", use_one_thread)
+                      if self.threads > 1 else None)
 
     def run(self, pairs: Sequence[Pair], non_blocking: bool = False) -> None:
         total = sum(d.numel() * d.element_size() for d, _ in pairs)

@@ -52,6 +52,7 @@ from kvtier.tier.worker.block_format import (
 )
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.stores import BlockReads, SecondaryStore, StoreMiss, batches
+from kvtier.tier.worker.threads import use_one_thread
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class TierIO:
                 self._done[job.id] = Result(job.id, (False,) * n, (Reason.CLOSED,) * n, 0, 0)
 
     def _run(self) -> None:
-        torch.set_num_threads(1)  # compute keeps its OpenMP team to itself (worker/link.py)
+        use_one_thread()  # compute keeps its OpenMP team to itself (threads.py)
         while True:
             with self._cond:
                 while not self._queue and not self._closing:

@@ -40,6 +40,7 @@ from kvtier.tier.worker.copy import CopyTeam, layer_index, move_blocks, move_lay
 from kvtier.tier.worker.host_pool import HostPool
 from kvtier.tier.worker.link_job import LOAD, STORE, Copy, JobState, check_link_job
 from kvtier.tier.worker.link_stats import DirectionCounter, TransferStats
+from kvtier.tier.worker.threads import use_one_thread
 
 
 class InjectedFault(RuntimeError):
@@ -241,7 +242,7 @@ class TransferEngine:
             # One OpenMP team for compute: a second team here (torch gives every thread that
             # runs a parallel op its own) oversubscribes the cores, and libgomp then throttles
             # its spin-waits, which slowed every engine step by ~20% on 2 cores (measured).
-            torch.set_num_threads(1)
+            use_one_thread()
         while True:
             with self._cond:
                 while not self._closing and self._head_locked() is None:
