@@ -75,6 +75,8 @@ class DictTier:
             self.blobs[h.key] = pack(h, p)
         return [None] * len(headers)
 
+    parallel_reads = True  # its blocks are in a dict: any thread may read them
+
     def reads(self, keys: Sequence[BlockKey]) -> DictTier:
         return self
 

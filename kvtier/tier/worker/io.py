@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -66,6 +67,7 @@ WRITE_PIECE_BYTES = 8 << 20
 # under vLLM (2 cores, a 94 MB disk wake): the load took 44 ms instead of 11 with the write
 # running, the TTFT 238-325 ms instead of 179-195.
 WAKE_QUIET_S = 0.25
+READERS = 2  # threads that read and verify a fetch's blocks
 
 class TierIO:
     """Runs tier jobs on one thread against its stores (none: no thread, and no job may
@@ -88,6 +90,9 @@ class TierIO:
         self._closing = False
         self._yielded = 0.0  # I/O thread only: fetch seconds inside the job being timed
         self._quiet_until = 0.0  # I/O thread only: writes wait until then after a fetch
+        # threads that read and verify one fetch's blocks side by side (an engine waiting on a
+        # wake computes nothing meanwhile): a 94 MB disk fetch took 24 ms on one thread
+        self._readers = ThreadPoolExecutor(READERS, "kvtier-tier-read", use_one_thread)
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-io", daemon=True)
         if self.stores:
             self._thread.start()
@@ -139,6 +144,7 @@ class TierIO:
             self._cond.notify_all()
         if self.stores:
             self._thread.join(timeout=30)
+        self._readers.shutdown(wait=True)
         with self._cond:  # whatever never ran fails: its keys become misses
             while self._queue:
                 job = self._queue.popleft()
@@ -259,16 +265,25 @@ class TierIO:
         ok, reasons = [False] * n, [Reason.SKIPPED] * n
         reads = {m: self.stores[m].reads([k for k, t in zip(job.keys, job.media) if t is m])
                  for m in dict.fromkeys(job.media)}
+
+        def read(i: int) -> Reason:
+            fault = self.fault(job, i)
+            tier = job.media[i]
+            return (Reason(fault) if fault is not None else
+                    self._read(self.stores[tier], reads[tier], job.keys[i], job.tokens[i],
+                               job.below_slots[i], self.host.tensor[job.host_slots[i]]))
+
+        # Blocks whose bytes are at hand are read and verified by the reader team at once
+        # (every one is verified even after a failure, as below); the rest in order.
+        early = [i for i in range(n) if self.stores[job.media[i]].parallel_reads
+                 and reads[job.media[i]].ready(job.keys[i])]
+        done = dict(zip(early, self._readers.map(read, early))) if len(early) > 1 else {}
         nbytes = 0
         failed = False  # after a failure no block counts (a prefix cannot skip a block)
-        for i, (key, tokens, slot, tier) in enumerate(
-                zip(job.keys, job.tokens, job.host_slots, job.media)):
-            if failed and not reads[tier].ready(key):
+        for i, (key, tier) in enumerate(zip(job.keys, job.media)):
+            if i not in done and failed and not reads[tier].ready(key):
                 continue  # not fetched (or absent): nothing of it to verify, SKIPPED
-            fault = self.fault(job, i)
-            reason = (Reason(fault) if fault is not None else
-                      self._read(self.stores[tier], reads[tier], key, tokens,
-                                 job.below_slots[i], self.host.tensor[slot]))
+            reason = done[i] if i in done else read(i)
             if reason is not Reason.OK:
                 reasons[i], failed = reason, True  # a bad block after it: its own reason
             elif not failed:

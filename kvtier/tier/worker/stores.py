@@ -69,6 +69,11 @@ class SecondaryStore(Protocol):
         """Required of every block fetched from this store (None: the checksum only)."""
         ...
 
+    @property
+    def parallel_reads(self) -> bool:
+        """Whether several threads may read (and verify) its blocks of one fetch at once."""
+        ...
+
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
               payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]: ...
 
@@ -105,6 +110,10 @@ class DiskBlocks:
             self._pace(len(payload), began)
             errors.append(None)
         return errors
+
+    @property
+    def parallel_reads(self) -> bool:
+        return not self.max_gbps  # a capped disk is paced one read at a time
 
     def reads(self, keys: Sequence[BlockKey]) -> DiskBlocks:
         return self  # every read is one local pread
@@ -143,6 +152,7 @@ class RemoteBlocks:
     every block signed with `mac` when the deployment has a secret."""
 
     medium = Medium.REMOTE
+    parallel_reads = True  # a fetch's bytes are in memory before its blocks are verified
 
     def __init__(self, store: KeyValueStore, mac: BlockMac | None, slot_bytes: int) -> None:
         self.store, self.mac, self.slot_bytes = store, mac, slot_bytes
