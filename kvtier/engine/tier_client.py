@@ -57,8 +57,9 @@ class TierClient:
               namespace: bytes, faults: Faults) -> TierClient | NullTier:
         """`namespace`: the engine's fingerprint digest, which every block below host
         carries. A NullTier when `kv_offloading_size` is 0."""
+        policy = config.policy.on(runner.device.type)  # AUTO settled once, here
         if not config.offload.enabled:
-            return NullTier(config.policy)
+            return NullTier(policy)
         if not config.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_offloading_size > 0 needs enable_prefix_caching=True: the host tier finds "
@@ -66,7 +67,7 @@ class TierClient:
             )
         tier = build(config.offload, KVLayout.from_contiguous(runner.kv), namespace,
                      runner.block_size, measure_prefill(runner), faults)
-        return cls(tier, pool, config.policy)
+        return cls(tier, pool, policy)
 
     # -- what the scheduler asks ---------------------------------------------------------
 

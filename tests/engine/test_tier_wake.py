@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import exact_engine
 
-from kvtier.config import EngineConfig
+from kvtier.config import EngineConfig, LoadMode
 from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
@@ -74,6 +74,17 @@ def test_layerwise_wake_is_exact_too(tiny: LoadedModel) -> None:
     outs = multi_turn(tiny, e, 2, conversations(4, seed=2))
     assert sum(o.num_restored_tokens for o in outs) > 0
     e.close()
+
+
+def test_load_mode_auto_is_async_on_a_cpu_and_an_explicit_choice_stands(tiny: LoadedModel) -> None:
+    # on a CPU a layer-wise wake measured slower than an async one (benchmarks/wake.py)
+    assert LoadMode.AUTO.on("cpu") is LoadMode.ASYNC
+    assert LoadMode.AUTO.on("cuda") is LoadMode.LAYERWISE
+    assert LoadMode.LAYERWISE.on("cpu") is LoadMode.LAYERWISE
+    for asked, settled in (("auto", LoadMode.ASYNC), ("layerwise", LoadMode.LAYERWISE)):
+        e = exact_engine(tiny, num_device_blocks=12, kv_offloading_size=HOST, load_mode=asked)
+        assert e.scheduler.policy.load_mode is settled
+        e.close()
 
 
 def test_swap_preemption_restores_the_whole_cache_including_the_partial_block(

@@ -122,9 +122,12 @@ def test_engine_only_knobs_are_refused_under_vllm(knob: str, value: Any) -> None
 
 
 def test_engine_only_knobs_at_their_defaults_pass() -> None:
-    settings({"kv_offloading_size": 1, "idle_offload_s": 0, "preemption_mode": "auto",
-              "load_mode": "async", "max_offload_tokens": None,
-              "kv_write_policy": "write_through"})
+    for load_mode in ("auto", "async"):  # what the connector does: loads before the forward
+        settings({"kv_offloading_size": 1, "idle_offload_s": 0, "preemption_mode": "auto",
+                  "load_mode": load_mode, "max_offload_tokens": None,
+                  "kv_write_policy": "write_through"})
+    with pytest.raises(ConfigError, match="load_mode='layerwise'"):
+        settings({"kv_offloading_size": 1, "load_mode": "layerwise"})
 
 
 def test_two_connectors_never_share_a_planner_prior() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import OffloadPolicy
+from kvtier.config import LoadMode, OffloadPolicy
 from kvtier.errors import ConfigError
 from kvtier.tier import Calibration, TierConfig, check_types
 
@@ -87,10 +87,14 @@ def settings(extra: Mapping[str, Any] | None) -> tuple[TierConfig, ConnectorSett
         policy.validate()
     except ConfigError as e:
         raise ConfigError(f"kv_connector_extra_config {e}") from None
-    default = OffloadPolicy()
+    # what the connector does: the engine's defaults, with every load complete before the
+    # forward pass (load_mode auto or async ask for that)
+    does = dataclasses.replace(OffloadPolicy(), load_mode=LoadMode.ASYNC)
+    if policy.load_mode is LoadMode.AUTO:
+        policy = dataclasses.replace(policy, load_mode=LoadMode.ASYNC)
     for name, why in ENGINE_ONLY.items():
         value = getattr(policy, name)
-        if value != getattr(default, name):
+        if value != getattr(does, name):
             raise ConfigError(
                 f"kv_connector_extra_config {name}={extra[name]!r} is honoured by kvtier's own "
                 f"engine only, not under vLLM ({why}); unset it")
