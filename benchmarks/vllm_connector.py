@@ -9,7 +9,9 @@ without AVX-512 BF16), 2 cores.
            comes back from below it (the residency column says from where). The limit is
            vLLM's own prefix hit: plain vLLM with a pool that keeps every session (400
            blocks), the same prompts; each row's TTFT is printed as a ratio to it (targets:
-           host <= 1.15x, disk and Redis <= 1.3x) and to the recompute.
+           host <= 1.15x, disk and Redis <= 1.3x) and to the recompute. The disk row runs
+           twice: from a warm page cache, and with the slot file dropped from the page cache
+           before each follow-up (disk-cold: the bytes come from the device).
            Each wake is split by where its time went, from the connector's own timeline
            (benchmarks/wake_breakdown.py): lookup, fetch below host, the wait for vLLM to ask
            again, admission, the copy into vLLM's cache, the forward pass.
@@ -128,9 +130,13 @@ def main() -> int:
                              **spec})
 
     rows: dict[str, Any] = {}
-    for name, connector in [*configs[:1], (OWN_HIT, None), *configs[1:]]:
+    # the disk row again with its file dropped from the page cache before each follow-up
+    cold = [("vllm+kvtier disk-cold", tiers["disk"])] if "disk" in chosen else []
+    for name, connector in [*configs[:1], (OWN_HIT, None), *configs[1:], *cold]:
         pool = OWN_HIT_BLOCKS if name == OWN_HIT else 48
-        wake = run(connector, {"blocks": pool, "prompts": prompts, "max_tokens": 1})
+        extra = ({"cold_before": follow_at, "cold_path": tiers["disk"]["disk_kv_path"]}
+                 if name.endswith("-cold") else {})
+        wake = run(connector, {"blocks": pool, "prompts": prompts, "max_tokens": 1, **extra})
         woken = [wake["results"][i] for i in follow_at]
         params = [r["kv_transfer_params"] or {} for r in woken]
         rows[name] = {
@@ -196,9 +202,10 @@ def report(rows: dict[str, Any], rounds: dict[str, list[dict[str, Any]]]) -> dic
     for key, value in list(summary.items()):
         tier = key.split("_")[-1]
         if key.startswith("wake_vs_own_hit"):
-            target = LIMIT_TARGETS[tier]
-            print(f"woken from {tier}: {value:.2f}x vLLM's own prefix hit (target <= "
-                  f"{target}x: {'PASS' if value <= target else 'MISS'})")
+            target = LIMIT_TARGETS.get(tier)
+            verdict = (f"target <= {target}x: {'PASS' if value <= target else 'MISS'}"
+                       if target else "reported: the target is for a warm page cache")
+            print(f"woken from {tier}: {value:.2f}x vLLM's own prefix hit ({verdict})")
         elif key.startswith("wake_speedup"):
             print(f"woken {SESSION}-token session from {tier}: {value:.1f}x faster than vLLM's "
                   f"recompute (target >= 10x: {'PASS' if value >= 10 else 'MISS'})")

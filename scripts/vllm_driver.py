@@ -13,7 +13,10 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               "hybrid": false (true: vLLM decides on its hybrid KV allocator),
               "lora": {"name": "ad", "path": DIR} (optional: LoRA on, every prompt with it),
               "kv_events": true (vLLM publishes KV events to a subscriber here: every event
-              it received, in order, is in the result's "kv_events")}
+              it received, in order, is in the result's "kv_events"),
+              "cold_before": [i, ...], "cold_path": DIR (before prompt i: wait for the writes
+              below host to land, then drop every file under DIR from the page cache: a disk
+              read that comes from the device, not from memory)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
 2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
@@ -66,6 +69,20 @@ class KVEventListener:
         return events
 
 
+def drop_page_cache(directory: str, settle_s: float = 1.5) -> None:
+    """Let the connector's write-on land (it keeps vLLM stepping until it has), then sync
+    every file under `directory` and ask the kernel to forget its cached pages."""
+    time.sleep(settle_s)
+    for path in Path(directory).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def main() -> int:
     model, arg = sys.argv[1], sys.argv[2]
     spec = json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
@@ -115,7 +132,10 @@ def main() -> int:
     out = []
     salts = spec.get("salts") or [None] * len(spec["prompts"])  # per prompt: a cache_salt
     sent: list[list[int]] = []  # each prompt as sent, for {"after": i} follow-ups
-    for entry, salt in zip(spec["prompts"], salts):
+    cold = set(spec.get("cold_before", []))
+    for n, (entry, salt) in enumerate(zip(spec["prompts"], salts)):
+        if n in cold:
+            drop_page_cache(spec["cold_path"])
         ids = entry
         if isinstance(entry, dict):  # a follow-up: prompt i, what it generated, then more
             i = entry["after"]
