@@ -209,3 +209,19 @@ def test_blocks_of_another_fingerprint_on_disk_are_counted_at_start(tmp_path: Pa
     assert b.stats["miss_blocks|disk|fingerprint"] == 3
     assert "fetched_blocks|disk" not in b.stats
     b.close()
+
+
+def test_an_idle_step_waits_for_its_fetch_and_the_next_ask_is_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.integrations.vllm.worker_side as worker_side
+
+    monkeypatch.setattr(worker_side, "IDLE_FETCH_WAIT_S", 10.0)  # a loaded CI machine too
+    config = disk(tmp_path)
+    first_run(config)
+    b = Half(config, seed=1)
+    assert b.side.matched_tokens("b", PROMPT, "", 0) is None  # the fetch below host starts
+    jobs = b.side.step([])
+    b.worker.load(jobs, idle=True)  # the step computes nothing: it waits for the fetch
+    b.side.apply(b.worker.take_results())
+    assert b.side.matched_tokens("b", PROMPT, "", 0) == 12  # no empty steps in between
+    b.close()
