@@ -4,6 +4,7 @@ list of ints, and the "worker" is the test itself, answering each job with a Res
 import subprocess
 import sys
 import threading
+import time
 
 from kvtier.tier.below import BelowHost
 from kvtier.tier.config import TierConfig
@@ -216,6 +217,25 @@ def test_a_presence_answer_that_comes_within_the_inline_wait_is_given_at_once() 
     presence = RemotePresence(lambda keys: [True] * len(keys), inline_wait_s=10.0)
     assert presence.ask(KEYS[:3]) == [True, True, True]  # no "ask again": no extra step
     assert not presence.pending
+    presence.close()
+
+
+def test_a_slow_store_costs_one_inline_wait_not_one_per_request() -> None:
+    gate = threading.Event()
+
+    def exists(keys):
+        gate.wait(5)
+        return [True] * len(keys)
+
+    presence = RemotePresence(exists, inline_wait_s=0.1)
+    t = time.monotonic()
+    assert presence.ask(KEYS[:1]) is None  # waited 100 ms, then "ask again"
+    for i in range(1, 6):  # five more requests arrive: none of them waits
+        assert presence.ask(KEYS[i:i + 1]) is None
+    assert time.monotonic() - t < 0.4  # one wait, not six (0.6 s)
+    gate.set()
+    presence.wait(timeout=5)
+    assert presence.ask(KEYS[:1]) == [True]  # the answer is kept for the next ask
     presence.close()
 
 

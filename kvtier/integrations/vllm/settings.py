@@ -58,7 +58,8 @@ class ConnectorSettings:
     # Tell the client where its prefix lived (kvtier_residency, kvtier_restored_tokens in
     # the response's kv_transfer_params). Off by default, as vLLM's
     # --enable-prompt-tokens-details: it tells a client whether someone else sent the same
-    # prefix before (without a cache_salt), and from which tier.
+    # prefix before (without a cache_salt), and from which tier; and when each step of its
+    # wake happened (kvtier_timeline, on the engine's monotonic clock).
     enable_residency_details: bool = False
 
     def validate(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -25,8 +26,11 @@ log = logging.getLogger(__name__)
 ExistsFn = Callable[[Sequence[BlockKey]], Sequence[bool | None]]
 MAX_ANSWERS = 1024  # answers nobody came back for (an aborted request) are dropped oldest first
 # How long a new question waits for its answer before the caller is told to ask again: a
-# local Redis answers 16 EXISTS in well under this; a slow or dead one costs a step this much.
+# local Redis answers 16 EXISTS in well under this. Once a wait runs out, none is waited for
+# SLOW_BACKOFF_S: a slow store costs the scheduler one such wait a second, however many
+# requests arrive meanwhile.
 INLINE_WAIT_S = 0.003
+SLOW_BACKOFF_S = 1.0
 
 
 class RemotePresence:
@@ -35,6 +39,7 @@ class RemotePresence:
     def __init__(self, exists: ExistsFn, inline_wait_s: float = INLINE_WAIT_S) -> None:
         self._exists = exists
         self.inline_wait_s = inline_wait_s
+        self._no_wait_until = 0.0  # after a wait ran out: ask again without waiting
         self._cond = threading.Condition()
         self._questions: OrderedDict[tuple[BlockKey, ...], None] = OrderedDict()
         self._answers: OrderedDict[tuple[BlockKey, ...], list[bool | None]] = OrderedDict()
@@ -54,8 +59,11 @@ class RemotePresence:
             if question not in self._questions and not self._closing:
                 self._questions[question] = None
                 self._cond.notify_all()
-                if self._cond.wait_for(lambda: question in self._answers, self.inline_wait_s):
-                    return self._answers.pop(question)
+                if time.monotonic() >= self._no_wait_until:
+                    if self._cond.wait_for(lambda: question in self._answers,
+                                           self.inline_wait_s):
+                        return self._answers.pop(question)
+                    self._no_wait_until = time.monotonic() + SLOW_BACKOFF_S
             return None
 
     @property
