@@ -266,24 +266,30 @@ class TierIO:
         reads = {m: self.stores[m].reads([k for k, t in zip(job.keys, job.media) if t is m])
                  for m in dict.fromkeys(job.media)}
 
+        bad: list[tuple[SecondaryStore, bytes, int]] = []  # to discard once all are read
+
         def read(i: int) -> Reason:
             fault = self.fault(job, i)
             tier = job.media[i]
             return (Reason(fault) if fault is not None else
                     self._read(self.stores[tier], reads[tier], job.keys[i], job.tokens[i],
-                               job.below_slots[i], self.host.tensor[job.host_slots[i]]))
+                               job.below_slots[i], self.host.tensor[job.host_slots[i]], bad))
 
         # Blocks whose bytes are at hand are read and verified by the reader team at once
-        # (every one is verified even after a failure, as below); the rest in order.
+        # (every one is verified even after a failure, as below); the rest in order. Bad
+        # blocks are discarded after the reads: a discard on disk writes a header, which on a
+        # cut file would put zeros where a block read beside it expected the file's end.
         early = [i for i in range(n) if self.stores[job.media[i]].parallel_reads
                  and reads[job.media[i]].ready(job.keys[i])]
         done = dict(zip(early, self._readers.map(read, early))) if len(early) > 1 else {}
+        self._discard(bad)
         nbytes = 0
         failed = False  # after a failure no block counts (a prefix cannot skip a block)
         for i, (key, tier) in enumerate(zip(job.keys, job.media)):
             if i not in done and failed and not reads[tier].ready(key):
                 continue  # not fetched (or absent): nothing of it to verify, SKIPPED
             reason = done[i] if i in done else read(i)
+            self._discard(bad)
             if reason is not Reason.OK:
                 reasons[i], failed = reason, True  # a bad block after it: its own reason
             elif not failed:
@@ -292,9 +298,11 @@ class TierIO:
         return ok, reasons, nbytes
 
     def _read(self, store: SecondaryStore, reads: BlockReads, key: bytes,
-              tokens: Sequence[int], slot: int, row: torch.Tensor) -> Reason:
-        """Read and verify one block into `row`: OK, or why not (a bad block is discarded
-        where it lives, so it is never read again; a failed medium keeps it)."""
+              tokens: Sequence[int], slot: int, row: torch.Tensor,
+              bad: list[tuple[SecondaryStore, bytes, int]]) -> Reason:
+        """Read and verify one block into `row`: OK, or why not (a bad block goes on `bad`,
+        to be discarded where it lives, so it is never read again; a failed medium keeps
+        it)."""
         out = tensor_bytes(row)
         try:
             header, payload = reads.read(key, slot, out)
@@ -310,8 +318,14 @@ class TierIO:
             return self._failure(store.medium, e)
         except ValueError:
             reason = Reason.SIZE
-        # If even this fails, the block stays where it is and is checked (and refused) again:
-        # the disk index drops the slot anyway and a restart re-verifies it.
-        with contextlib.suppress(OSError, ValueError):
-            store.discard(key, slot)
+        bad.append((store, key, slot))
         return reason
+
+    @staticmethod
+    def _discard(bad: list[tuple[SecondaryStore, bytes, int]]) -> None:
+        """Drop bad blocks where they live. If even this fails, the block stays and is checked
+        (and refused) again: the disk index drops the slot anyway, a restart re-verifies it."""
+        while bad:
+            store, key, slot = bad.pop(0)
+            with contextlib.suppress(OSError, ValueError):
+                store.discard(key, slot)
