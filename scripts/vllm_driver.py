@@ -70,17 +70,14 @@ class KVEventListener:
 
 
 def drop_page_cache(directory: str, settle_s: float = 1.5) -> None:
-    """Let the connector's write-on land (it keeps vLLM stepping until it has), then sync
-    every file under `directory` and ask the kernel to forget its cached pages."""
+    """Let the connector's write-on land (it keeps vLLM stepping until it has), then have
+    the kernel forget every page of the files under `directory` (the benchmarks' own
+    `drop_cache`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disk_layout import drop_cache
+
     time.sleep(settle_s)
-    for path in Path(directory).rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages cannot be dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    drop_cache([path for path in Path(directory).rglob("*") if path.is_file()])
 
 
 def main() -> int:

@@ -277,24 +277,27 @@ class TierIO:
 
         # Blocks whose bytes are at hand are read and verified by the reader team at once
         # (every one is verified even after a failure, as below); the rest in order. Bad
-        # blocks are discarded after the reads: a discard on disk writes a header, which on a
-        # cut file would put zeros where a block read beside it expected the file's end.
+        # blocks are discarded after all the reads: a discard on disk writes a header, which
+        # on a cut file would put zeros where a block read beside it expected the file's end.
         early = [i for i in range(n) if self.stores[job.media[i]].parallel_reads
                  and reads[job.media[i]].ready(job.keys[i])]
         done = dict(zip(early, self._readers.map(read, early))) if len(early) > 1 else {}
-        self._discard(bad)
         nbytes = 0
         failed = False  # after a failure no block counts (a prefix cannot skip a block)
         for i, (key, tier) in enumerate(zip(job.keys, job.media)):
             if i not in done and failed and not reads[tier].ready(key):
                 continue  # not fetched (or absent): nothing of it to verify, SKIPPED
             reason = done[i] if i in done else read(i)
-            self._discard(bad)
             if reason is not Reason.OK:
                 reasons[i], failed = reason, True  # a bad block after it: its own reason
             elif not failed:
                 ok[i], reasons[i] = True, Reason.OK
                 nbytes += self.host.slot_bytes  # as stored: a host row, 8-bit where it is
+        # If even a discard fails, the block stays and is checked (and refused) again: the
+        # disk index drops the slot anyway, a restart re-verifies it.
+        for store, key, slot in bad:
+            with contextlib.suppress(OSError, ValueError):
+                store.discard(key, slot)
         return ok, reasons, nbytes
 
     def _read(self, store: SecondaryStore, reads: BlockReads, key: bytes,
@@ -320,12 +323,3 @@ class TierIO:
             reason = Reason.SIZE
         bad.append((store, key, slot))
         return reason
-
-    @staticmethod
-    def _discard(bad: list[tuple[SecondaryStore, bytes, int]]) -> None:
-        """Drop bad blocks where they live. If even this fails, the block stays and is checked
-        (and refused) again: the disk index drops the slot anyway, a restart re-verifies it."""
-        while bad:
-            store, key, slot = bad.pop(0)
-            with contextlib.suppress(OSError, ValueError):
-                store.discard(key, slot)

@@ -31,14 +31,20 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import ConfigError
 from kvtier.tier.faults import LinkFault, no_link_fault
 from kvtier.tier.jobs import Job, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout, as_layout
 from kvtier.tier.worker.copy import CopyTeam, layer_index, move_blocks, move_layer
 from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.link_job import LOAD, STORE, Copy, JobState, check_link_job
+from kvtier.tier.worker.link_job import (
+    LOAD,
+    STORE,
+    Copy,
+    JobState,
+    check_link_job,
+    check_link_setup,
+)
 from kvtier.tier.worker.link_stats import DirectionCounter, TransferStats
 from kvtier.tier.worker.threads import use_one_thread
 
@@ -68,22 +74,7 @@ class TransferEngine:
     ) -> None:
         """`load_threads`: CPU threads that share a whole-block load (`copy.CopyTeam`)."""
         layout = as_layout(device)
-        if layout.block_shape != host.block_shape or layout.dtype != host.dtype:
-            raise ConfigError(
-                f"host slots {host.block_shape} {host.dtype} do not match device blocks "
-                f"{layout.block_shape} {layout.dtype}; build the pool with "
-                "HostPool.like(layout, ...)"
-            )
-        if host.encoding and (layout.is_cuda or layout.coded_block_shape is None):
-            raise ConfigError(
-                "kv_offload_dtype encodes blocks on the CPU path of kvtier's contiguous or "
-                "vLLM's heads-first KV layout only for now (the CUDA side would quantize on the "
-                "device before the copy, which is not built); unset it"
-            )
-        if layout.is_cuda and not host.pinned:
-            raise ConfigError("a CUDA device needs a pinned host pool (HostPool.like pins it)")
-        if blocks_per_chunk < 1:
-            raise ConfigError(f"blocks_per_chunk={blocks_per_chunk} must be >= 1")
+        check_link_setup(layout, host, blocks_per_chunk)
         self.layout = layout
         self.host = host
         self.blocks_per_chunk = blocks_per_chunk
@@ -239,10 +230,7 @@ class TransferEngine:
 
     def _run(self) -> None:
         if not self._cuda:
-            # One OpenMP team for compute: a second team here (torch gives every thread that
-            # runs a parallel op its own) oversubscribes the cores, and libgomp then throttles
-            # its spin-waits, which slowed every engine step by ~20% on 2 cores (measured).
-            use_one_thread()
+            use_one_thread()  # compute keeps its OpenMP team and its cores (threads.py)
         while True:
             with self._cond:
                 while not self._closing and self._head_locked() is None:

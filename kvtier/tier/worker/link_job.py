@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.tier.jobs import Job, Result
 from kvtier.tier.keys import Medium
+from kvtier.tier.layout import KVLayout
+from kvtier.tier.worker.host_pool import HostPool
 
 
 class JobState(enum.Enum):
@@ -47,6 +50,26 @@ class Copy:
     @property
     def direction(self) -> Medium:
         return self.job.dst
+
+
+def check_link_setup(layout: KVLayout, host: HostPool, blocks_per_chunk: int) -> None:
+    """ConfigError for a device layout and host pool the link cannot copy between."""
+    if layout.block_shape != host.block_shape or layout.dtype != host.dtype:
+        raise ConfigError(
+            f"host slots {host.block_shape} {host.dtype} do not match device blocks "
+            f"{layout.block_shape} {layout.dtype}; build the pool with "
+            "HostPool.like(layout, ...)"
+        )
+    if host.encoding and (layout.is_cuda or layout.coded_block_shape is None):
+        raise ConfigError(
+            "kv_offload_dtype encodes blocks on the CPU path of kvtier's contiguous or "
+            "vLLM's heads-first KV layout only for now (the CUDA side would quantize on the "
+            "device before the copy, which is not built); unset it"
+        )
+    if layout.is_cuda and not host.pinned:
+        raise ConfigError("a CUDA device needs a pinned host pool (HostPool.like pins it)")
+    if blocks_per_chunk < 1:
+        raise ConfigError(f"blocks_per_chunk={blocks_per_chunk} must be >= 1")
 
 
 def check_link_job(job: Job, num_blocks: int, num_slots: int) -> None:

@@ -12,6 +12,7 @@ configurations sharing one server never read each other's blocks.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -57,7 +58,7 @@ def one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
-class KeyedStore:
+class KeyedStore(ABC):
     """What one server and a cluster share: the checked knobs, the URL as it may be logged,
     one key per block in the namespace, the errors seen, and `ping` over `check`."""
 
@@ -80,8 +81,9 @@ class KeyedStore:
         blocks spread over the shards)."""
         return self._prefix + block_key.hex().encode()
 
+    @abstractmethod
     def check(self) -> None:
-        raise NotImplementedError
+        """ConfigError on bad credentials, RemoteUnavailable if the store does not answer."""
 
     def ping(self) -> bool:
         """Whether the store answers now; never raises."""
