@@ -5,9 +5,10 @@ Primitives:
                                                     below, or the 8-bit ones at the end
   block_runs(blocks, slots)                         pairs grouped into runs of consecutive ids
   copy_blocks(layout, host, blocks, slots, store)   whole blocks, all layers: one copy per
-                                                    run (contiguous layout), or per run and
-                                                    layer (one tensor per layer); a
-                                                    `CopyTeam` shares them between threads
+                                                    run (contiguous layout, or layers evenly
+                                                    spaced in one allocation), else per run
+                                                    and layer; a `CopyTeam` shares them
+                                                    between threads
   copy_layer(layout, host, layer, blocks, slots)    layer `layer` of n blocks, host -> device
 
 Measured on this repo's CPU box (1 thread, the CPU shared; SmolLM2 blocks: 30 layers x 16
@@ -62,9 +63,10 @@ TEAM_MIN_BYTES = 4 << 20  # below this a hand-off to another thread costs more t
 
 
 class CopyTeam:
-    """Threads that share one large CPU copy (each with one OpenMP thread): one thread copied
-    7 GB/s on the 2-core box, two 12.5-14 GB/s (94 MB, vLLM's per-layer blocks, scattered or
-    in runs), against a 16 GB/s two-thread tensor copy. For a copy nothing computes beside:
+    """Threads that share one large CPU copy (each with one OpenMP thread). 94 MB into vLLM's
+    CPU cache (16 scattered 128-token blocks, one strided copy each), p50 on the 2-core box:
+    10.6 ms on one thread, 7.9 ms on two, 7.1 ms for one contiguous two-thread copy
+    (`python benchmarks/copy_paths.py`, 2026-12-02). For a copy nothing computes beside:
     a whole-block load a request waits on. Layer-wise loads (they overlap compute by design)
     and stores (background work) keep one thread."""
 
@@ -125,9 +127,12 @@ def copy_blocks(
     host: [num_slots, num_layers, *layer_block_shape]
     """
     non_blocking = layout.is_cuda
+    stacked = None if layout.contiguous or non_blocking else stacked_layers(layout)
     copies: list[Pair] = []
     for b, s, n in block_runs(device_blocks, host_slots):
-        if layout.contiguous:
+        if stacked is not None:  # every layer of the run in one strided copy
+            pairs = [(stacked[:, b : b + n], host[s : s + n].transpose(0, 1))]
+        elif layout.contiguous:
             # kv: [num_blocks, num_layers, *layer_block_shape]; both sides one memcpy
             pairs = [(layout.tensors[0][b : b + n], host[s : s + n])]
         elif not non_blocking:  # a layer's run is contiguous on the device, strided on host
@@ -143,6 +148,26 @@ def copy_blocks(
     else:
         _copy_all(copies, non_blocking)
     return len(device_blocks) * layout.block_nbytes
+
+
+def stacked_layers(layout: KVLayout) -> torch.Tensor | None:
+    """Per-layer CPU tensors that lie evenly spaced in one allocation (vLLM 0.32's CPU
+    cache) as one strided view [num_layers, num_blocks, *layer_block_shape]; None for any
+    other placement. One copy per run of blocks instead of one per run and layer: 16
+    scattered 5.9 MB blocks were 480 calls of 196 KB, each a GIL hand-off between the copy
+    threads, at 5 GB/s; 16 calls copy at the memory's speed."""
+    first = layout.tensors[0]
+    if len(layout.tensors) < 2:
+        return None
+    item = first.element_size()
+    step, rest = divmod(layout.tensors[1].data_ptr() - first.data_ptr(), item)
+    storage = first.untyped_storage()
+    if rest or step < first.numel() or any(
+            t.data_ptr() != first.data_ptr() + i * step * item
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            for i, t in enumerate(layout.tensors)):
+        return None
+    return first.as_strided((layout.num_layers, *first.shape), (step, *first.stride()))
 
 
 def layer_index(

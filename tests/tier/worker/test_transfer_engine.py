@@ -235,14 +235,20 @@ def test_block_runs_group_consecutive_pairs() -> None:
 
 
 
-@pytest.mark.parametrize("per_layer", [False, True], ids=["contiguous", "per-layer"])
-def test_a_load_shared_by_a_copy_team_is_byte_exact(per_layer: bool) -> None:
+@pytest.mark.parametrize("placement", ["contiguous", "per-layer", "one-allocation"])
+def test_a_load_shared_by_a_copy_team_is_byte_exact(placement: str) -> None:
     from kvtier.tier.layout import KVLayout
-    from kvtier.tier.worker.copy import TEAM_MIN_BYTES, CopyTeam, _share
+    from kvtier.tier.worker.copy import TEAM_MIN_BYTES, CopyTeam, _share, stacked_layers
 
     kv = torch.randn(64, 3, 64, 2, 2, 32)  # 96 KiB blocks: 48 of them are worth a team
-    layers = [kv[:, i].clone() for i in range(3)]
+    per_layer = placement != "contiguous"
+    if placement == "one-allocation":  # vLLM's CPU cache: layers side by side in one buffer
+        layers = list(kv.transpose(0, 1).contiguous().unbind(0))
+    else:
+        layers = [kv[:, i].clone() for i in range(3)]
     device = KVLayout.from_layers(layers) if per_layer else KVLayout.from_contiguous(kv)
+    # the one-allocation layers are copied one run of blocks at a time, all layers at once
+    assert (stacked_layers(device) is not None) == (placement == "one-allocation")
 
     def block(b: int) -> list[torch.Tensor]:
         return [t[b].clone() for t in layers] if per_layer else [kv[b].clone()]
@@ -266,3 +272,19 @@ def test_a_load_shared_by_a_copy_team_is_byte_exact(per_layer: bool) -> None:
     team.run([(big, src)])
     team.close()
     assert torch.equal(big, src)
+
+
+def test_layers_not_evenly_spaced_in_one_allocation_are_copied_layer_by_layer() -> None:
+    from kvtier.tier.layout import KVLayout
+    from kvtier.tier.worker.copy import copy_blocks, stacked_layers
+
+    buf = torch.randn(3 * 48 + 5)  # three [4, 2, 6] layers at offsets 0, 48, 101
+    layers = [buf[o : o + 48].view(4, 2, 6) for o in (0, 48, 101)]
+    device = KVLayout.from_layers(layers)
+    assert stacked_layers(device) is None
+    host = torch.randn(3, 3, 2, 6)
+    want = [t.clone() for t in layers]
+    copy_blocks(device, host, [2, 0], [1, 2], store=False)
+    for i, t in enumerate(layers):
+        want[i][2], want[i][0] = host[1, i], host[2, i]
+        assert torch.equal(t, want[i])
