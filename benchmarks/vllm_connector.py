@@ -94,12 +94,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=3,
-                    help="no-hit rounds (plain vLLM, then each tier) for the paired ratio")
+                    help="no-hit rounds (plain vLLM, then each tier) for the paired ratio; "
+                         "0 skips them")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-deployments", action="store_true",
                     help="skip the tensor-parallel, hybrid and int8 rows")
     ap.add_argument("--only", default="host,disk,redis", help="the kvtier tiers to run")
     args = ap.parse_args()
+    if args.repeats < 1 or args.pairs < 0:
+        raise SystemExit("--repeats must be at least 1 and --pairs at least 0")
+    unknown = set(args.only.split(",")) - {"host", "disk", "redis"}
+    if unknown:
+        raise SystemExit(f"--only takes host, disk and redis; not {', '.join(sorted(unknown))}")
     if not VLLM_PYTHON.exists():
         raise SystemExit("no vLLM environment: run bash scripts/vllm_env.sh first")
     from kvtier.model.export import export_hf
@@ -210,6 +216,9 @@ def report(rows: dict[str, Any], rounds: dict[str, list[dict[str, Any]]]) -> dic
             print(f"woken {SESSION}-token session from {tier}: {value:.1f}x faster than vLLM's "
                   f"recompute (target >= 10x: {'PASS' if value >= 10 else 'MISS'})")
     plain = [r["request_s"] for r in rounds["vllm"]]
+    if not plain:
+        print("no-hit rounds skipped (--pairs 0)")
+        return summary
     print(f"no hits, {len(plain)} rounds; plain vLLM's request p50 "
           f"{', '.join(f'{x:.3f}' for x in plain)} s")
     for name, runs in rounds.items():
