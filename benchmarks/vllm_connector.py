@@ -11,7 +11,11 @@ without AVX-512 BF16), 2 cores.
            blocks), the same prompts; each row's TTFT is printed as a ratio to it (targets:
            host <= 1.15x, disk and Redis <= 1.3x) and to the recompute. The disk row runs
            twice: from a warm page cache, and with the slot file dropped from the page cache
-           before each follow-up (disk-cold: the bytes come from the device).
+           before each follow-up (disk-cold: the bytes come from the device). Every
+           follow-up comes after an idle gap (--idle-s, 1.5 s: the session was idle, which
+           is why it was evicted; the cold row's gap is the settle before the drop). With
+           --idle-s 0 it comes at once, while the evictors' write-on to disk is still landing
+           (a warm disk read then took 28.5 ms instead of 12.9 on this box).
            Each wake is split by where its time went, from the connector's own timeline
            (benchmarks/wake_breakdown.py): lookup, fetch below host, the wait for vLLM to ask
            again, admission, the copy into vLLM's cache, the forward pass.
@@ -25,7 +29,7 @@ without AVX-512 BF16), 2 cores.
   deployments   tensor parallel 2, a Gemma-3-style hybrid model and int8 demotion, each
            against vLLM's own prefix hit and its recompute (benchmarks/vllm_deployments.py)
 
-    python benchmarks/vllm_connector.py [--repeats 3] [--pairs 3] [--out DIR]
+    python benchmarks/vllm_connector.py [--repeats 3] [--pairs 3] [--idle-s 1.5] [--out DIR]
                                         [--no-deployments] [--only host,disk,redis]
 Needs the vLLM environment: bash scripts/vllm_env.sh.
 """
@@ -96,13 +100,16 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3,
                     help="no-hit rounds (plain vLLM, then each tier) for the paired ratio; "
                          "0 skips them")
+    ap.add_argument("--idle-s", type=float, default=1.5,
+                    help="the session's idle gap before its follow-up (0: sent at once, while "
+                         "the evictors' write-on below host is still landing)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-deployments", action="store_true",
                     help="skip the tensor-parallel, hybrid and int8 rows")
     ap.add_argument("--only", default="host,disk,redis", help="the kvtier tiers to run")
     args = ap.parse_args()
-    if args.repeats < 1 or args.pairs < 0:
-        raise SystemExit("--repeats must be at least 1 and --pairs at least 0")
+    if args.repeats < 1 or args.pairs < 0 or not 0 <= args.idle_s <= 600:
+        raise SystemExit("--repeats must be at least 1, --pairs at least 0, --idle-s 0-600")
     unknown = set(args.only.split(",")) - {"host", "disk", "redis"}
     if unknown:
         raise SystemExit(f"--only takes host, disk and redis; not {', '.join(sorted(unknown))}")
@@ -141,7 +148,7 @@ def main() -> int:
     for name, connector in [*configs[:1], (OWN_HIT, None), *configs[1:], *cold]:
         pool = OWN_HIT_BLOCKS if name == OWN_HIT else 48
         extra = ({"cold_before": follow_at, "cold_path": tiers["disk"]["disk_kv_path"]}
-                 if name.endswith("-cold") else {})
+                 if name.endswith("-cold") else {"idle_before": follow_at, "idle_s": args.idle_s})
         wake = run(connector, {"blocks": pool, "prompts": prompts, "max_tokens": 1, **extra})
         woken = [wake["results"][i] for i in follow_at]
         params = [r["kv_transfer_params"] or {} for r in woken]

@@ -130,9 +130,12 @@ def main() -> int:
     salts = spec.get("salts") or [None] * len(spec["prompts"])  # per prompt: a cache_salt
     sent: list[list[int]] = []  # each prompt as sent, for {"after": i} follow-ups
     cold = set(spec.get("cold_before", []))
+    idle = set(spec.get("idle_before", []))  # prompts sent after an idle gap
     for n, (entry, salt) in enumerate(zip(spec["prompts"], salts)):
         if n in cold:
             drop_page_cache(spec["cold_path"])
+        elif n in idle:
+            time.sleep(spec["idle_s"])
         ids = entry
         if isinstance(entry, dict):  # a follow-up: prompt i, what it generated, then more
             i = entry["after"]
