@@ -155,7 +155,7 @@ def stacked_layers(layout: KVLayout) -> torch.Tensor | None:
     cache) as one strided view [num_layers, num_blocks, *layer_block_shape]; None for any
     other placement. One copy per run of blocks instead of one per run and layer: 16
     scattered 5.9 MB blocks were 480 calls of 196 KB, each a GIL hand-off between the copy
-    threads, at 5 GB/s; 16 calls copy at the memory's speed."""
+    threads (5.9 GB/s on two threads); 16 calls copy 12 GB/s, one contiguous copy 13."""
     first = layout.tensors[0]
     if len(layout.tensors) < 2:
         return None
