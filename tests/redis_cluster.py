@@ -21,6 +21,7 @@ from redis_server import RedisServer, free_port, redis_server_binary
 SLOTS = 16384
 NODE_TIMEOUT_MS = 1000
 READY_S = 30.0
+MANUAL_FAILOVER_S = 6.0  # Redis gives a manual failover 5 s (CLUSTER_MF_TIMEOUT)
 CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
                 "--cluster-require-full-coverage", "no",
@@ -115,6 +116,23 @@ class LocalCluster:
 
     def kill(self, node: RedisServer) -> None:
         node.stop()
+
+    def failover(self, replica: RedisServer, timeout_s: float = 30.0) -> float:
+        """Seconds until a manual CLUSTER FAILOVER makes `replica` a master. Redis drops a
+        manual failover it cannot finish in 5 s (the master's pause or the vote ran late, as
+        on a loaded 2-core runner) without a word, so the command is sent again each time."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.role(replica) == "master":  # the last try finished just after its wait
+                return time.monotonic() - start
+            self._ask(replica, "CLUSTER", "FAILOVER")
+            try:
+                self._wait(lambda: self.role(replica) == "master", "the manual failover",
+                           MANUAL_FAILOVER_S)
+                return time.monotonic() - start
+            except RuntimeError:
+                continue
+        raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for a manual failover")
 
     def wait_promoted(self, replica: RedisServer, timeout_s: float = 10.0) -> float:
         """Seconds until `replica` is a master, every running node reports ok and no node's

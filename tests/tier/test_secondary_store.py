@@ -77,7 +77,7 @@ class DictTier:
 
     parallel_reads = True  # its blocks are in a dict: any thread may read them
 
-    def reads(self, keys: Sequence[BlockKey]) -> DictTier:
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> DictTier:
         return self
 
     def ready(self, key: BlockKey) -> bool:

@@ -263,7 +263,9 @@ class TierIO:
     def _fetch(self, job: Job) -> tuple[list[bool], list[Reason], int]:
         n = len(job.keys)
         ok, reasons = [False] * n, [Reason.SKIPPED] * n
-        reads = {m: self.stores[m].reads([k for k, t in zip(job.keys, job.media) if t is m])
+        rows = [tensor_bytes(self.host.tensor[s]) for s in job.host_slots]
+        reads = {m: self.stores[m].reads([k for k, t in zip(job.keys, job.media) if t is m],
+                                         [r for r, t in zip(rows, job.media) if t is m])
                  for m in dict.fromkeys(job.media)}
 
         bad: list[tuple[SecondaryStore, bytes, int]] = []  # to discard once all are read
@@ -273,7 +275,8 @@ class TierIO:
             tier = job.media[i]
             return (Reason(fault) if fault is not None else
                     self._read(self.stores[tier], reads[tier], job.keys[i], job.tokens[i],
-                               job.below_slots[i], self.host.tensor[job.host_slots[i]], bad))
+                               job.below_slots[i], self.host.tensor[job.host_slots[i]],
+                               rows[i], bad))
 
         # Blocks whose bytes are at hand are read and verified by the reader team at once
         # (every one is verified even after a failure, as below); the rest in order. Bad
@@ -301,12 +304,11 @@ class TierIO:
         return ok, reasons, nbytes
 
     def _read(self, store: SecondaryStore, reads: BlockReads, key: bytes,
-              tokens: Sequence[int], slot: int, row: torch.Tensor,
+              tokens: Sequence[int], slot: int, row: torch.Tensor, out: memoryview,
               bad: list[tuple[SecondaryStore, bytes, int]]) -> Reason:
-        """Read and verify one block into `row`: OK, or why not (a bad block goes on `bad`,
-        to be discarded where it lives, so it is never read again; a failed medium keeps
-        it)."""
-        out = tensor_bytes(row)
+        """Read and verify one block into `row` (`out` its bytes): OK, or why not (a bad
+        block goes on `bad`, to be discarded where it lives, so it is never read again; a
+        failed medium keeps it)."""
         try:
             header, payload = reads.read(key, slot, out)
             reason = check(header, namespace=self.namespace, key=key, tokens=tokens,

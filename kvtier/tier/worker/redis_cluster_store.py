@@ -38,6 +38,7 @@ from kvtier.tier.worker.redis_cluster_client import (
     warn_settings,
 )
 from kvtier.tier.worker.redis_store import KeyedStore, auth_message
+from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,11 @@ class ClusterStore(KeyedStore):
         """Per key its value, None (absent) or why its shard did not answer."""
         names = [self.key(k) for k in keys]
         return self._batch("get", names, lambda pipe, i: pipe.get(names[i]), write=False)
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                      header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
+        """The values as bytes: a cluster's replies come through redis-py's pipeline."""
+        return list(self.get_many(keys))
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool | None]:
         """Per key whether it is held, None where its shard did not answer."""

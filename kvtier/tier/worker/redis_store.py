@@ -24,6 +24,8 @@ from redis.retry import Retry
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.tier.redis_url import ACCEPTED_URLS, mask_url, validate_url
 from kvtier.tier.worker.breaker import Breaker
+from kvtier.tier.worker.redis_direct import DirectReader, direct_supported
+from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 NAMESPACE_BYTES = 16
@@ -121,6 +123,8 @@ class RedisStore(KeyedStore):
             raise ConfigError(f"invalid Redis URL {self._url_for_log!r}: {e}; "
                               f"expected {ACCEPTED_URLS}") from None
         self._breaker = Breaker(retry_after_s)
+        # fetches into host rows over a connection of its own (redis_direct.py); TLS: bytes
+        self._direct = DirectReader(url, timeout_s) if direct_supported(url) else None
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored (one server: the batch fails whole, by raising)."""
@@ -142,6 +146,16 @@ class RedisStore(KeyedStore):
             return []
         names = [self.key(k) for k in keys]
         return self._call("get", lambda client: list(client.mget(names)))
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                      header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
+        """As `get_many`, each value whose payload fits its `out` received straight into it."""
+        if self._direct is None:
+            return list(self.get_many(keys))
+        if not keys:
+            return []
+        direct, names = self._direct, [self.key(k) for k in keys]
+        return list(self._call("get", lambda _: direct.mget_into(names, outs, header_limit)))
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
@@ -168,6 +182,8 @@ class RedisStore(KeyedStore):
 
     def close(self) -> None:
         self._client.close()
+        if self._direct is not None:
+            self._direct.close()
 
     def _call(self, what: str, op: Callable[[redis.Redis], T]) -> T:
         if not self._breaker.allow():

@@ -4,9 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier.tier.worker.unavailable import RemoteUnavailable
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A value received straight into the caller's row: the row holds its tail (the
+    payload), `header` the bytes before it."""
+
+    header: bytes
 
 
 class KeyValueStore(Protocol):
@@ -24,6 +33,12 @@ class KeyValueStore(Protocol):
         ...
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
+        ...
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                      header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
+        """As `get_many`, but a value up to `header_limit` bytes longer than its `out` may
+        land in it (`Landed`); a store that cannot do that returns the bytes."""
         ...
 
     def exists_many(self, keys: Sequence[bytes]) -> Sequence[bool | None]:

@@ -4,7 +4,8 @@
 header, verification (`block_format.check`, with the store's MAC where it has one), fault
 injection and the once-per-reason logging. A store only moves bytes:
   write(slots, headers, payloads) -> per block None or the error that kept it out
-  reads(keys) -> BlockReads        one job's reads (a shared store fetches them in batches)
+  reads(keys, rows) -> BlockReads  one job's reads (a shared store fetches them in batches,
+                                   receiving payloads straight into the rows where it can)
   discard(key, slot)               a block that failed verification is never read again
   flush() / close() / describe()
 A new store is one more class with these methods (and a `SecondaryIndex` for its
@@ -21,7 +22,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvtier.errors import KvtierError
 from kvtier.tier.jobs import Reason
 from kvtier.tier.keys import BlockKey, Medium
-from kvtier.tier.worker.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
+from kvtier.tier.worker.block_format import (
+    MAX_TOKENS,
+    BlockHeader,
+    Buffer,
+    CorruptBlock,
+    decode_header,
+    encoded_header_nbytes,
+    max_header_nbytes,
+    pack,
+    unpack,
+)
+from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 if TYPE_CHECKING:
@@ -33,6 +45,9 @@ if TYPE_CHECKING:
 # 0.66 vs 1.0 GB/s for 64 vs 16 blocks of 737 KB) and a single stall past the socket timeout
 # would cost the whole prefix instead of its tail.
 REMOTE_BATCH_BYTES = 16 << 20
+# A remote value at most this much longer than its host row lands in the row (its payload)
+# and a header buffer; the largest header any block can carry.
+REMOTE_HEADER_LIMIT = max_header_nbytes(MAX_TOKENS)
 
 
 class StoreMiss(KvtierError):
@@ -53,8 +68,9 @@ class BlockReads(Protocol):
         ...
 
     def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
-        """The block's header and payload (read into `out` where the store can, else a view
-        to copy once verified). Raises CorruptBlock, StoreMiss or OSError."""
+        """The block's header and payload (`out` itself where its bytes are already there or
+        read into it, else a view to copy once verified; `out` is the row `reads` was given
+        for `key`). Raises CorruptBlock, StoreMiss or OSError."""
         ...
 
 
@@ -77,7 +93,9 @@ class SecondaryStore(Protocol):
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
               payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]: ...
 
-    def reads(self, keys: Sequence[BlockKey]) -> BlockReads: ...
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> BlockReads:
+        """One fetch job's reads of `keys`, into `rows` (one per key) where the store can."""
+        ...
 
     def discard(self, key: BlockKey, slot: int) -> None: ...
 
@@ -115,8 +133,8 @@ class DiskBlocks:
     def parallel_reads(self) -> bool:
         return not self.max_gbps  # a capped disk is paced one read at a time
 
-    def reads(self, keys: Sequence[BlockKey]) -> DiskBlocks:
-        return self  # every read is one local pread
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> DiskBlocks:
+        return self  # every read is one local pread, into its row
 
     def ready(self, key: BlockKey) -> bool:
         return True
@@ -172,13 +190,14 @@ class RemoteBlocks:
                     errors[i] = StoreMiss(Reason.UNAVAILABLE, str(failed))
         return errors
 
-    def reads(self, keys: Sequence[BlockKey]) -> _RemoteReads:
-        blobs: dict[BlockKey, bytes | None] = {}
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> _RemoteReads:
+        blobs: dict[BlockKey, bytes | Landed | None] = {}
         errors: dict[BlockKey, str] = {}
         error = ""
         for lo, hi in batches([self.slot_bytes] * len(keys)):
             try:
-                values = self.store.get_many(keys[lo:hi])
+                values = self.store.get_many_into(keys[lo:hi], rows[lo:hi],
+                                                  REMOTE_HEADER_LIMIT)
             except RemoteUnavailable as e:
                 error = str(e)
                 break  # the leading batches still serve; the rest is UNAVAILABLE
@@ -208,7 +227,7 @@ class _RemoteReads:
     """One job's blocks as the batches returned them (absent where a batch or a shard
     failed: `errors` says why per key, `error` for the batches never sent)."""
 
-    def __init__(self, blobs: dict[BlockKey, bytes | None], errors: dict[BlockKey, str],
+    def __init__(self, blobs: dict[BlockKey, bytes | Landed | None], errors: dict[BlockKey, str],
                  error: str) -> None:
         self.blobs, self.errors, self.error = blobs, errors, error
 
@@ -221,6 +240,12 @@ class _RemoteReads:
         blob = self.blobs[key]
         if blob is None:  # expired, evicted by Redis, or deleted since the lookup
             raise StoreMiss(Reason.MISSING, "absent")
+        if isinstance(blob, Landed):  # the payload is in `out` already
+            header = decode_header(blob.header)
+            if encoded_header_nbytes(header) != len(blob.header):
+                raise CorruptBlock(Reason.SIZE, f"a {len(blob.header)}-byte header where "
+                                                f"{encoded_header_nbytes(header)} were written")
+            return header, out
         try:
             return unpack(blob)
         except ValueError as e:

@@ -198,7 +198,7 @@ def test_manual_failover_under_load_raises_nothing(redis_cluster_factory: Any) -
         old = cluster.masters()[0]
         heir = cluster.replica_of(old)
         assert heir is not None
-        cluster._ask(heir, "CLUSTER", "FAILOVER")
+        cluster.failover(heir)
         cluster.wait_promoted(heir)
         time.sleep(1.5)
     finally:

@@ -1,0 +1,192 @@
+"""Values received straight into host rows (`RedisStore.get_many_into`, redis_direct.py):
+exact bytes, every length and absence handled, credentials and databases honoured, and a
+cut, garbled or silent reply a fast RemoteUnavailable that leaves the next call working."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from redis_server import RedisServer, free_port, redis_server_binary
+
+from kvtier.errors import ConfigError
+from kvtier.tier.worker.redis_direct import DirectReader
+from kvtier.tier.worker.redis_store import RedisStore
+from kvtier.tier.worker.remote_store import Landed
+from kvtier.tier.worker.unavailable import RemoteUnavailable
+
+NS = bytes(range(16))
+ROW = 1 << 20
+LIMIT = 512
+
+
+def rows(n: int, nbytes: int = ROW) -> list[memoryview]:
+    return [memoryview(bytearray(b"\xee" * nbytes)) for _ in range(n)]
+
+
+def test_values_land_in_their_rows_exactly(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, NS)
+    header, payload = os.urandom(200), os.urandom(ROW)
+    crlf = b"\r\n$3\r\n*2\r\n" * 10  # protocol bytes inside a value are only bytes
+    items = [(b"landed", header + payload), (b"crlf", crlf + payload),
+             (b"short", b"x" * 10), (b"exact", payload), (b"long", os.urandom(ROW + LIMIT + 1)),
+             (b"empty", b"")]
+    store.put_many(items)
+    outs = rows(len(items) + 1)
+    got = store.get_many_into([*(k for k, _ in items), b"missing"], outs, LIMIT)
+    assert got[0] == Landed(header) and outs[0] == payload
+    assert got[1] == Landed(crlf) and outs[1] == payload
+    # any other length comes back whole, and its row is untouched
+    assert got[2:6] == [v for _, v in items[2:]]
+    assert got[6] is None
+    assert all(bytes(o) == b"\xee" * ROW for o in outs[2:])
+    assert store.get_many([b"landed"]) == [header + payload]  # redis-py's path agrees
+    store.close()
+
+
+def test_many_large_values_in_one_call(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, NS)
+    items = [(i.to_bytes(2, "big"), os.urandom(64) + os.urandom(ROW)) for i in range(12)]
+    store.put_many(items)
+    outs = rows(len(items))
+    got = store.get_many_into([k for k, _ in items], outs, LIMIT)
+    for (_, value), landed, out in zip(items, got, outs):
+        assert landed == Landed(value[:64]) and out == value[64:]
+    store.close()
+
+
+def test_password_and_database_are_honoured(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    server = redis_server_factory(password="s3cret")
+    url = f"redis://:s3cret@127.0.0.1:{server.port}/3?client_name=kvtier-test"
+    store = RedisStore(url, NS)
+    store.put_many([(b"k", b"h" * 8 + b"p" * 64)])
+    with server.client() as client:  # database 0 does not hold it
+        assert client.dbsize() == 0
+    outs = rows(1, 64)
+    assert store.get_many_into([b"k"], outs, LIMIT) == [Landed(b"h" * 8)]
+    assert outs[0] == b"p" * 64
+    wrong = RedisStore(url.replace("s3cret", "hunter2"), NS)
+    with pytest.raises(ConfigError, match="rejected the credentials") as e:
+        wrong.get_many_into([b"k"], outs, LIMIT)
+    assert "hunter2" not in str(e.value)
+    store.close()
+    wrong.close()
+
+
+@pytest.fixture
+def unix_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(redis_server_binary(), args=("--unixsocket", str(tmp_path / "r.sock")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_a_unix_socket(unix_server: RedisServer) -> None:
+    path = unix_server.args[1]
+    store = RedisStore(f"unix://{path}?db=1", NS)
+    store.put_many([(b"k", b"h" + b"p" * 100)])
+    outs = rows(1, 100)
+    assert store.get_many_into([b"k"], outs, LIMIT) == [Landed(b"h")]
+    assert outs[0] == b"p" * 100
+    store.close()
+
+
+def test_a_restarted_server_is_reached_again(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, NS, timeout_s=0.5, retry_after_s=0.0)
+    store.put_many([(b"k", b"hh" + b"p" * 10)])
+    assert store.get_many_into([b"k"], rows(1, 10), LIMIT) == [Landed(b"hh")]
+    redis_server.stop()
+    with pytest.raises(RemoteUnavailable):
+        store.get_many_into([b"k"], rows(1, 10), LIMIT)
+    redis_server.start()  # empty; the old connection is stale and is replaced at once
+    assert store.get_many_into([b"k"], rows(1, 10), LIMIT) == [None]
+    store.put_many([(b"k", b"hh" + b"q" * 10)])
+    outs = rows(1, 10)
+    assert store.get_many_into([b"k"], outs, LIMIT) == [Landed(b"hh")] and outs[0] == b"q" * 10
+    store.close()
+
+
+class FakeServer:
+    """A listener that answers every command with `reply(command_bytes)` (None: close)."""
+
+    def __init__(self, reply: Callable[[bytes], bytes | None]) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.reply = reply
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                while True:
+                    data = conn.recv(1 << 16)
+                    if not data:
+                        break
+                    out = self.reply(data)
+                    if out is None:
+                        break
+                    conn.sendall(out)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize(("name", "reply"), [
+    ("cut mid-value", b"*1\r\n$100\r\n" + b"x" * 40),
+    ("wrong count", b"*2\r\n$1\r\na\r\n$1\r\nb\r\n"),
+    ("not an array", b"+OK\r\n"),
+    ("a number where a value goes", b"*1\r\n:5\r\n"),
+    ("an error reply", b"-ERR something broke\r\n"),
+    ("no CRLF after the value", b"*1\r\n$3\r\nabcXY"),
+    ("a length that is not a number", b"*1\r\n$x1\r\n"),
+    ("a length no value can have", b"*1\r\n$99999999999999\r\n"),
+])
+def test_a_bad_reply_is_unavailable_and_the_next_call_reconnects(name: str,
+                                                                  reply: bytes) -> None:
+    good = b"*1\r\n$6\r\nhhpppp\r\n"
+    replies = iter([reply])
+    server = FakeServer(lambda _: next(replies, good))
+    try:
+        store = RedisStore(f"redis://127.0.0.1:{server.port}", NS, timeout_s=0.3,
+                           retry_after_s=0.0)
+        with pytest.raises(RemoteUnavailable):
+            store.get_many_into([b"k"], rows(1, 4), LIMIT)
+        assert store.errors == 1 and "\n" not in store.last_error
+        outs = rows(1, 4)
+        assert store.get_many_into([b"k"], outs, LIMIT) == [Landed(b"hh")]
+        assert outs[0] == b"pppp"
+        store.close()
+    finally:
+        server.close()
+
+
+def test_a_silent_server_times_out() -> None:
+    server = FakeServer(lambda _: b"")  # reads the command, never answers
+    try:
+        reader = DirectReader(f"redis://127.0.0.1:{server.port}", timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            reader.mget_into([b"k"], rows(1, 4), LIMIT)
+        reader.close()
+    finally:
+        server.close()
+
+
+def test_nothing_listening_is_unavailable() -> None:
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}", NS, timeout_s=0.3)
+    with pytest.raises(RemoteUnavailable, match="refused"):
+        store.get_many_into([b"k"], rows(1, 4), LIMIT)
