@@ -37,6 +37,7 @@ from kvtier.tier.worker.redis_cluster_client import (
     connect,
     warn_settings,
 )
+from kvtier.tier.worker.redis_direct import DirectReader
 from kvtier.tier.worker.redis_store import KeyedStore, auth_message
 from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
@@ -48,6 +49,9 @@ TOPOLOGY_REFRESH_S = 10.0  # the slot map is re-read this often even when nothin
 
 # Adds key i's command to a pipeline.
 Command = Callable[[Any, int], None]
+# Runs one node's keys (by index, those in the set after an ASKING) without a pipeline: a
+# reply or an exception per key.
+NodeCall = Callable[[ClusterNode, list[int], set[int]], list[Any]]
 
 
 class ClusterStore(KeyedStore):
@@ -71,6 +75,9 @@ class ClusterStore(KeyedStore):
         self._refreshed_at = 0.0
         self._turn = itertools.count()  # spreads reads over a slot's nodes
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="kvtier-cluster")
+        # fetches into host rows, a connection of its own per node (redis_direct.py); TLS:
+        # bytes through redis-py
+        self._readers: dict[str, DirectReader] | None = None if self._spec.tls else {}
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored, or why its shard did not take it."""
@@ -89,8 +96,19 @@ class ClusterStore(KeyedStore):
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
                       header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
-        """The values as bytes: a cluster's replies come through redis-py's pipeline."""
-        return list(self.get_many(keys))
+        """As `get_many`, each value whose payload fits its `out` received straight into it
+        (pipelined GETs per node, each on its own connection)."""
+        if self._readers is None:
+            return list(self.get_many(keys))
+        names = [self.key(k) for k in keys]
+
+        def fetch(node: ClusterNode, indices: list[int], asking: set[int]) -> list[Any]:
+            return list(self._reader(node).get_each_into(
+                [names[i] for i in indices], [outs[i] for i in indices], header_limit,
+                {j for j, i in enumerate(indices) if i in asking}))
+
+        return self._batch("get", names, lambda pipe, i: pipe.get(names[i]), write=False,
+                           call=fetch)
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool | None]:
         """Per key whether it is held, None where its shard did not answer."""
@@ -122,6 +140,11 @@ class ClusterStore(KeyedStore):
         self._pool.shutdown(wait=False)
         with self._lock:
             client, self._client = self._client, None
+            readers = list((self._readers or {}).values())
+            if self._readers:
+                self._readers.clear()
+        for reader in readers:
+            reader.close()
         if client is not None:
             client.close()
 
@@ -133,9 +156,10 @@ class ClusterStore(KeyedStore):
     # -- one batch -----------------------------------------------------------------------
 
     def _batch(self, what: str, names: Sequence[bytes], command: Command,
-               write: bool) -> list[Any]:
+               write: bool, call: NodeCall | None = None) -> list[Any]:
         """Per name the node's reply or a RemoteUnavailable (raised for the whole batch
-        only when no client can be built)."""
+        only when no client can be built); `call` runs a node's keys instead of a pipeline
+        of `command`s."""
         if not names:
             return []
         client = self._cluster()
@@ -146,7 +170,7 @@ class ClusterStore(KeyedStore):
             self._refresh(client)
         out: list[Any] = [None] * len(names)
         groups = self._route(client, range(len(names)), names, write, out)
-        redirects, failed = self._send(client, what, groups, command, out, asking=set())
+        redirects, failed = self._send(client, what, groups, command, out, set(), call)
         groups, asking = {}, set()
         if redirects:  # the slot moved (reshard, failover): follow once, then give up
             if any(isinstance(e, MovedError) for e in redirects.values()):
@@ -159,7 +183,7 @@ class ClusterStore(KeyedStore):
             for node, indices in again.values():
                 groups.setdefault(node.name, (node, []))[1].extend(indices)
         if groups:
-            self._send(client, what, groups, command, out, asking)
+            self._send(client, what, groups, command, out, asking, call)
         return out
 
     def _route(self, client: RedisCluster, indices: Sequence[int], names: Sequence[bytes],
@@ -202,11 +226,13 @@ class ClusterStore(KeyedStore):
 
     def _send(self, client: RedisCluster, what: str,
               groups: dict[str, tuple[ClusterNode, list[int]]], command: Command,
-              out: list[Any], asking: set[int]
+              out: list[Any], asking: set[int], call: NodeCall | None = None
               ) -> tuple[dict[int, MovedError | AskError], dict[str, list[int]]]:
-        """One pipeline per node, in parallel; fills `out`; the redirected keys, and the
-        keys of each node that failed."""
+        """One pipeline (or `call`) per node, in parallel; fills `out`; the redirected keys,
+        and the keys of each node that failed."""
         def run(node: ClusterNode, indices: list[int]) -> list[Any]:
+            if call is not None:
+                return call(node, indices, asking)
             pipe = client.get_redis_connection(node).pipeline(transaction=False)
             for i in indices:
                 if i in asking:
@@ -334,12 +360,30 @@ class ClusterStore(KeyedStore):
                    for n in owners}
         with self._lock:  # a node that left the map is no longer "down": it is gone
             self._breakers = {k: b for k, b in self._breakers.items() if k in serving}
+            gone = [r for k, r in (self._readers or {}).items() if k not in serving]
+            if self._readers:
+                self._readers = {k: r for k, r in self._readers.items() if k in serving}
+        for reader in gone:
+            reader.close()
         return True
 
     def _any_down(self) -> bool:
         with self._lock:
             breakers = list(self._breakers.values())
         return any(b.is_open for b in breakers)
+
+    def _reader(self, node: ClusterNode) -> DirectReader:
+        """The node's own connection for fetches into rows, made on first use."""
+        with self._lock:
+            assert self._readers is not None
+            reader = self._readers.get(node.name)
+            if reader is None:
+                reader = self._readers[node.name] = DirectReader(
+                    (node.host, int(node.port)), self._timeout_s,
+                    username=self._spec.username, password=self._spec.password,
+                    client_name=dict(self._spec.options).get("client_name"),
+                    readonly=self._read_replicas)
+            return reader
 
     def _breaker(self, name: str) -> Breaker:
         with self._lock:

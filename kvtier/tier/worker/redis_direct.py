@@ -1,28 +1,37 @@
-"""MGET whose values land straight in the caller's host rows: one raw RESP2 connection.
+"""Fetched values that land straight in the caller's host rows: one raw RESP2 connection.
 
 redis-py hands every value over as a new `bytes`: inside a vLLM worker each 5.9 MB value
 was fresh memory to fault in (~3x the standalone cost) and then one more copy into its host
 row, so a 94 MB wake's fetch took 240-390 ms there against 66-82 ms alone. Here a value
 whose length says "header + one row" is received with `recv_into` into a small header
-buffer and the row itself (already faulted in); any other length comes back whole as bytes
-(and fails verification as before). Plain TCP and unix sockets only (TLS stays on redis-py).
+buffer and the row itself (faulted in when the pool was allocated); any other length comes
+back whole as bytes (and fails verification as before). One server answers one MGET; a
+cluster node answers pipelined GETs, each key's error reply (MOVED, ASK, ...) its own.
+Plain TCP and unix sockets only (TLS stays on redis-py).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.connection import parse_url
+from redis.exceptions import AskError, MovedError, NoPermissionError
 
 from kvtier.tier.worker.remote_store import Landed
 
 RECV_CHUNK = 64 << 10  # a status line or a small value is read in chunks of this size
 MAX_VALUE_BYTES = 512 << 20  # Redis's own cap on a value (proto-max-bulk-len)
 _CRLF = b"\r\n"
+_AUTH_ERRORS = ("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH",
+                "ERR Client sent AUTH")
+AUTH_REPLIES = (redis.AuthenticationError, NoPermissionError)
+
+T = TypeVar("T")
+Value = bytes | Landed | None  # a value: landed in its row, whole, or absent
 
 
 def direct_supported(url: str) -> bool:
@@ -31,76 +40,133 @@ def direct_supported(url: str) -> bool:
 
 
 class DirectReader:
-    """MGET into rows over its own connection (opened on first use, reopened after any error:
-    a reply cut short leaves the stream unusable). Errors are redis-py's and OSError's, so the
-    store maps them as it maps its client's: credentials -> ConfigError, else unavailable."""
+    """Fetches into rows over its own connection (opened on first use, reopened after any
+    error: a reply cut short leaves the stream unusable). Errors are redis-py's and OSError's,
+    so a store maps them as it maps its client's: credentials -> ConfigError, else
+    unavailable. `where`: (host, port) or a unix socket path; `readonly`: a cluster
+    connection that may read from a replica."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        options: dict[str, Any] = parse_url(url)
-        self._path: str | None = options.get("path")
-        self._address = (options.get("host", "localhost"), int(options.get("port", 6379)))
+    def __init__(self, where: tuple[str, int] | str, timeout_s: float, *,
+                 username: str | None = None, password: str | None = None, db: int = 0,
+                 client_name: str | None = None, readonly: bool = False) -> None:
+        self._where = where
         self._handshake: list[tuple[bytes, ...]] = []
-        password, username = options.get("password"), options.get("username")
         if password is not None:
             self._handshake.append((b"AUTH", *([username.encode()] if username else []),
                                     password.encode()))
-        if int(options.get("db") or 0):
-            self._handshake.append((b"SELECT", str(int(options["db"])).encode()))
-        if options.get("client_name"):
-            self._handshake.append((b"CLIENT", b"SETNAME", options["client_name"].encode()))
+        if db:
+            self._handshake.append((b"SELECT", str(db).encode()))
+        if client_name:
+            self._handshake.append((b"CLIENT", b"SETNAME", client_name.encode()))
+        if readonly:
+            self._handshake.append((b"READONLY",))
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._buf = bytearray()  # bytes received past the last parsed item
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_url(cls, url: str, timeout_s: float) -> DirectReader:
+        """A reader for one server's `redis://` or `unix://` URL (`direct_supported`)."""
+        options: dict[str, Any] = parse_url(url)
+        where: tuple[str, int] | str = (options["path"] if "path" in options else
+                                        (options.get("host", "localhost"),
+                                         int(options.get("port", 6379))))
+        return cls(where, timeout_s, username=options.get("username"),
+                   password=options.get("password"), db=int(options.get("db") or 0),
+                   client_name=options.get("client_name"))
+
     def mget_into(self, names: Sequence[bytes], outs: Sequence[memoryview],
-                  header_limit: int) -> list[bytes | Landed | None]:
-        """Per name: Landed (its last len(out) bytes are in `out`, the bytes before them in
-        `header`) when the value is longer than `out` by at most `header_limit`; else the
-        whole value as bytes, or None if absent. One immediate retry when a pooled
-        connection turns out closed before any reply byte (a server restart); never twice
-        for a timeout."""
-        with self._lock:
-            for attempt in (0, 1):
-                fresh = self._sock is None
-                try:
-                    sock = self._connected()
-                    sock.sendall(command(b"MGET", *names))
-                    head = self._line()
-                except (ConnectionError, EOFError) as e:
-                    self._close()
-                    if fresh or attempt:
-                        raise redis.ConnectionError(f"direct MGET: {e}") from None
-                    continue
-                except BaseException:
-                    self._close()
-                    raise
-                try:
-                    return self._values(head, outs, header_limit, len(names))
-                except BaseException:
-                    self._close()
-                    raise
-        raise AssertionError("unreachable")
+                  header_limit: int) -> list[Value]:
+        """One MGET. Per name: Landed (its last len(out) bytes are in `out`, the bytes before
+        them in `header`) when the value is longer than `out` by at most `header_limit`; else
+        the whole value as bytes, or None if absent. An error reply raises."""
+        def parse(head: bytes) -> list[Value]:
+            if head.startswith(b"-"):
+                raise reply_error(head)
+            if head[:1] != b"*" or number(head) != len(names):
+                raise redis.ResponseError(f"direct MGET: expected {len(names)} values, got "
+                                          f"{head[:40]!r}")
+            return [self._value(self._line(), out, header_limit) for out in outs]
+
+        return self._exchange(command(b"MGET", *names), parse)
+
+    def get_each_into(self, names: Sequence[bytes], outs: Sequence[memoryview],
+                      header_limit: int, asking: Collection[int] = ()
+                      ) -> list[Value | redis.RedisError]:
+        """Pipelined GETs (a cluster node: keys of many slots), each as `mget_into`'s values,
+        or the key's error reply as an exception (MovedError, AskError, ...); `asking`:
+        indices sent after an ASKING (a slot being migrated)."""
+        request = b"".join((command(b"ASKING") if i in asking else b"") + command(b"GET", name)
+                           for i, name in enumerate(names))
+
+        def parse(first: bytes) -> list[Value | redis.RedisError]:
+            pending = [first]
+
+            def line() -> bytes:
+                return pending.pop() if pending else self._line()
+
+            values: list[Value | redis.RedisError] = []
+            for i, out in enumerate(outs):
+                denied = None
+                if i in asking:  # ASKING's own reply first: +OK, or why not
+                    ok = line()
+                    denied = None if ok.startswith(b"+") else reply_error(ok)
+                reply = line()
+                value = (reply_error(reply) if reply.startswith(b"-")
+                         else self._value(reply, out, header_limit))
+                values.append(denied or value)
+            refused = [v for v in values if isinstance(v, AUTH_REPLIES)]
+            if refused:  # the connection's credentials, not one key's trouble
+                raise refused[0]
+            return values
+
+        return self._exchange(request, parse)
 
     def close(self) -> None:
         with self._lock:
             self._close()
 
-    # -- connection ---------------------------------------------------------------------
+    # -- one request, one reply ---------------------------------------------------------
+
+    def _exchange(self, request: bytes, parse: Callable[[bytes], T]) -> T:
+        """Send `request`, parse its reply from the first line on. One immediate retry when
+        a connection turns out closed before any reply byte (a server restart); never twice
+        for a timeout."""
+        with self._lock:
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                try:
+                    self._connected().sendall(request)
+                    first = self._line()
+                except (ConnectionError, EOFError) as e:
+                    self._close()
+                    if fresh or attempt:
+                        raise redis.ConnectionError(f"direct read: {e}") from None
+                    continue
+                except BaseException:
+                    self._close()
+                    raise
+                try:
+                    return parse(first)
+                except BaseException:
+                    self._close()
+                    raise
+        raise AssertionError("unreachable")
 
     def _connected(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
-        if self._path is not None:
+        if isinstance(self._where, str):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self._timeout_s)
             try:
-                sock.connect(self._path)
+                sock.connect(self._where)
             except BaseException:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection(self._address, timeout=self._timeout_s)
+            sock = socket.create_connection(self._where, timeout=self._timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._buf = sock, bytearray()
         try:
@@ -121,37 +187,31 @@ class DirectReader:
 
     # -- parsing ------------------------------------------------------------------------
 
-    def _values(self, head: bytes, outs: Sequence[memoryview], header_limit: int,
-                n: int) -> list[bytes | Landed | None]:
-        if head.startswith(b"-"):
-            raise reply_error(head)
-        if head[:1] != b"*" or number(head) != n:
-            raise redis.ResponseError(f"direct MGET: expected {n} values, got {head[:40]!r}")
-        values: list[bytes | Landed | None] = []
-        for out in outs:
-            line = self._line()
-            if line[:1] != b"$":
-                raise redis.ResponseError(f"direct MGET: expected a bulk value, got "
-                                          f"{line[:40]!r}")
-            length = number(line)
-            if length > MAX_VALUE_BYTES:  # never allocate what a garbled stream claims
-                raise redis.ResponseError(f"direct MGET: a {length}-byte value")
-            if length < 0:
-                values.append(None)
-                continue
-            extra = length - len(out)
-            if 0 < extra <= header_limit:
-                header = bytearray(extra)
-                self._exactly(memoryview(header))
-                self._exactly(out)
-                values.append(Landed(bytes(header)))
-            else:
-                whole = bytearray(length)
-                self._exactly(memoryview(whole))
-                values.append(bytes(whole))
-            if self._take(2) != _CRLF:
-                raise redis.ResponseError("direct MGET: a value not followed by CRLF")
-        return values
+    def _value(self, line: bytes, out: memoryview, header_limit: int) -> Value:
+        """The bulk value `line` announces: into `out` (and a header) where it fits."""
+        if line.startswith(b"-"):
+            raise reply_error(line)
+        if line[:1] != b"$":
+            raise redis.ResponseError(f"direct read: expected a bulk value, got {line[:40]!r}")
+        length = number(line)
+        if length < 0:
+            return None
+        if length > MAX_VALUE_BYTES:  # never allocate what a garbled stream claims
+            raise redis.ResponseError(f"direct read: a {length}-byte value")
+        extra = length - len(out)
+        value: Value
+        if 0 < extra <= header_limit:
+            header = bytearray(extra)
+            self._exactly(memoryview(header))
+            self._exactly(out)
+            value = Landed(bytes(header))
+        else:
+            whole = bytearray(length)
+            self._exactly(memoryview(whole))
+            value = bytes(whole)
+        if self._take(2) != _CRLF:
+            raise redis.ResponseError("direct read: a value not followed by CRLF")
+        return value
 
     def _line(self) -> bytes:
         """One CRLF-terminated line, without the CRLF."""
@@ -197,7 +257,7 @@ def number(line: bytes) -> int:
     try:
         return int(line[1:])
     except ValueError:
-        raise redis.ResponseError(f"direct MGET: a garbled length {line[:40]!r}") from None
+        raise redis.ResponseError(f"direct read: a garbled length {line[:40]!r}") from None
 
 
 def command(*parts: bytes) -> bytes:
@@ -211,12 +271,19 @@ def command(*parts: bytes) -> bytes:
 
 
 def reply_error(line: bytes) -> redis.RedisError:
-    """The redis-py exception for an error reply, so the store maps it as it maps its
-    client's (credentials -> AuthenticationError)."""
+    """The redis-py exception for an error reply, so a store maps it as it maps its
+    client's (credentials -> AuthenticationError, a moved slot -> MovedError)."""
     text = line[1:].decode(errors="replace") if line[:1] == b"-" else repr(line[:80])
-    if text.startswith(("NOAUTH", "WRONGPASS", "ERR invalid password",
-                        "ERR AUTH", "ERR Client sent AUTH")):
+    code, _, rest = text.partition(" ")
+    try:
+        if code == "MOVED":
+            return MovedError(rest)
+        if code == "ASK":
+            return AskError(rest)
+    except ValueError:  # not "slot host:port"
+        return redis.ResponseError(text)
+    if text.startswith(_AUTH_ERRORS):
         return redis.AuthenticationError(text)
-    if text.startswith("NOPERM"):
-        return redis.exceptions.NoPermissionError(text)
+    if code == "NOPERM":
+        return NoPermissionError(text)
     return redis.ResponseError(text)

@@ -124,7 +124,7 @@ class RedisStore(KeyedStore):
                               f"expected {ACCEPTED_URLS}") from None
         self._breaker = Breaker(retry_after_s)
         # fetches into host rows over a connection of its own (redis_direct.py); TLS: bytes
-        self._direct = DirectReader(url, timeout_s) if direct_supported(url) else None
+        self._direct = DirectReader.for_url(url, timeout_s) if direct_supported(url) else None
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored (one server: the batch fails whole, by raising)."""

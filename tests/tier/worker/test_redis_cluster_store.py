@@ -17,6 +17,7 @@ from kvtier.errors import ConfigError
 from kvtier.tier.config import TierConfig
 from kvtier.tier.redis_url import mask_url, parse_cluster_url, validate_url
 from kvtier.tier.worker.redis_cluster_store import ClusterStore
+from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
 NS = b"n" * 16
@@ -24,6 +25,15 @@ NS = b"n" * 16
 
 def blocks(n: int, size: int = 2048) -> list[tuple[bytes, bytes]]:
     return [(os.urandom(16), os.urandom(size)) for _ in range(n)]
+
+
+def into(store: ClusterStore, keys: list[bytes], size: int = 2048) -> list[Any]:
+    """`get_many` through `get_many_into`: each value's last size - 16 bytes land in a row of
+    their own (asserted), and come back as the value they were."""
+    rows = [memoryview(bytearray(size - 16)) for _ in keys]
+    got = store.get_many_into(keys, rows, 64)
+    assert not any(isinstance(v, bytes) for v in got)  # nothing came back whole
+    return [v.header + bytes(row) if isinstance(v, Landed) else v for v, row in zip(got, rows)]
 
 
 def wrong(values: list[Any], items: list[tuple[bytes, bytes]]) -> int:
@@ -108,7 +118,9 @@ def test_refused_credentials_are_a_config_error(redis_cluster_factory: Any, give
     good = ClusterStore(cluster.url, NS)
     try:
         good.check()
-        assert good.put_many(blocks(3)) == [None] * 3
+        items = blocks(3)
+        assert good.put_many(items) == [None] * 3
+        assert into(good, [k for k, _ in items]) == [v for _, v in items]  # AUTH on each node
     finally:
         good.close()
 
@@ -126,10 +138,11 @@ def test_a_dead_shard_answers_its_keys_unavailable_and_only_its_keys(
         cluster.kill(dead)
         for _ in range(3):  # the first call meets the dead node, the rest its open breaker
             began = time.monotonic()
-            got = store.get_many(keys)
-            assert time.monotonic() - began < 1.0
-            assert {i for i, v in enumerate(got) if isinstance(v, RemoteUnavailable)} == on_dead
-            assert all(got[i] == items[i][1] for i in range(60) if i not in on_dead)
+            for got in (store.get_many(keys), into(store, keys)):
+                assert {i for i, v in enumerate(got)
+                        if isinstance(v, RemoteUnavailable)} == on_dead
+                assert all(got[i] == items[i][1] for i in range(60) if i not in on_dead)
+            assert time.monotonic() - began < 2.0
         present = store.exists_many(keys)
         assert {i for i, p in enumerate(present) if p is None} == on_dead
         written = store.put_many(blocks(30))
@@ -159,13 +172,14 @@ def test_replica_reads_bridge_the_failover_window(redis_cluster_factory: Any) ->
         while cluster.role(heir) != "master":
             for name, store in (("plain", plain), ("replicas", replicas)):
                 got = store.get_many(keys)
-                assert wrong(got, items) == 0
+                assert wrong(got, items) == 0 and wrong(into(store, keys), items) == 0
                 missed[name] += sum(isinstance(v, RemoteUnavailable) for v in got)
             time.sleep(0.05)
         cluster.wait_promoted(heir)
         time.sleep(1.1)  # past the breaker window: the slot map is read again
         for store in (plain, replicas):
             assert store.get_many(keys) == [v for _, v in items]
+            assert into(store, keys) == [v for _, v in items]
     finally:
         plain.close()
         replicas.close()
@@ -184,7 +198,7 @@ def test_manual_failover_under_load_raises_nothing(redis_cluster_factory: Any) -
     def load() -> None:
         while not stop.is_set():
             try:
-                got = store.get_many(keys)
+                got = store.get_many(keys) if seen["calls"] % 2 else into(store, keys)
                 store.put_many(blocks(4))
             except Exception as e:  # anything escaping the store fails the test
                 errors.append(e)
@@ -207,6 +221,7 @@ def test_manual_failover_under_load_raises_nothing(redis_cluster_factory: Any) -
     try:
         assert errors == [] and seen["wrong"] == 0 and seen["calls"] > 5
         assert store.get_many(keys) == [v for _, v in items]  # MOVED followed to the heir
+        assert into(store, keys) == [v for _, v in items]
     finally:
         store.close()
 
@@ -226,9 +241,11 @@ def test_a_slot_migration_is_followed_through_ask_and_moved(redis_cluster_factor
         cluster._ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.port])
         cluster._ask(source, "MIGRATE", "127.0.0.1", target.port, name, 0, 5000)
         assert store.get_many([k for k, _ in items]) == [v for _, v in items]  # via ASK
+        assert into(store, [k for k, _ in items]) == [v for _, v in items]
         for node in cluster.masters():
             cluster._ask(node, "CLUSTER", "SETSLOT", slot, "NODE", ids[target.port])
-        assert store.get_many([key]) == [value]  # via MOVED
+        assert into(store, [key]) == [value]  # via MOVED (the rows' own connections)
+        assert store.get_many([key]) == [value]
         assert store.put_many([(key, value)]) == [None]
         assert cluster.owner(name) is target
     finally:

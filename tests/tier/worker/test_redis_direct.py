@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from redis.exceptions import AskError, MovedError
 from redis_server import RedisServer, free_port, redis_server_binary
 
 from kvtier.errors import ConfigError
@@ -178,7 +180,7 @@ def test_a_bad_reply_is_unavailable_and_the_next_call_reconnects(name: str,
 def test_a_silent_server_times_out() -> None:
     server = FakeServer(lambda _: b"")  # reads the command, never answers
     try:
-        reader = DirectReader(f"redis://127.0.0.1:{server.port}", timeout_s=0.2)
+        reader = DirectReader(("127.0.0.1", server.port), timeout_s=0.2)
         with pytest.raises(TimeoutError):
             reader.mget_into([b"k"], rows(1, 4), LIMIT)
         reader.close()
@@ -190,3 +192,48 @@ def test_nothing_listening_is_unavailable() -> None:
     store = RedisStore(f"redis://127.0.0.1:{free_port()}", NS, timeout_s=0.3)
     with pytest.raises(RemoteUnavailable, match="refused"):
         store.get_many_into([b"k"], rows(1, 4), LIMIT)
+
+
+def test_pipelined_gets_answer_each_key_on_its_own(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, NS)
+    store.put_many([(b"a", b"hh" + b"a" * 8), (b"b", b"bbb")])
+    with redis_server.client() as client:
+        client.rpush(store.key(b"list"), b"x")  # GET on it: a WRONGTYPE error, this key only
+    reader = DirectReader(("127.0.0.1", redis_server.port), timeout_s=1.0)
+    outs = rows(4, 8)
+    got = reader.get_each_into([store.key(k) for k in (b"a", b"list", b"gone", b"b")], outs,
+                               LIMIT)
+    assert got[0] == Landed(b"hh") and outs[0] == b"a" * 8
+    assert isinstance(got[1], redis.ResponseError) and "WRONGTYPE" in str(got[1])
+    assert got[2:] == [None, b"bbb"]
+    # ASKING outside a cluster is refused: that key's answer, the others still served
+    got = reader.get_each_into([store.key(b"a"), store.key(b"b")], rows(2, 8), LIMIT,
+                               asking={0})
+    assert isinstance(got[0], redis.ResponseError) and got[1] == b"bbb"
+    reader.close()
+    store.close()
+
+
+def test_redirections_come_back_as_redis_pys_errors() -> None:
+    replies = {b"GET": b"-MOVED 3999 127.0.0.1:6381\r\n$3\r\nabc\r\n-ASK 12 10.0.0.2:7000\r\n"}
+    server = FakeServer(lambda data: replies[b"GET"])
+    try:
+        reader = DirectReader(("127.0.0.1", server.port), timeout_s=1.0)
+        got = reader.get_each_into([b"x", b"y", b"z"], rows(3, 8), LIMIT)
+        assert isinstance(got[0], MovedError) and got[0].node_addr == ("127.0.0.1", 6381)
+        assert got[1] == b"abc"
+        assert isinstance(got[2], AskError) and got[2].slot_id == 12
+        reader.close()
+    finally:
+        server.close()
+
+
+def test_refused_credentials_on_a_pipeline_are_raised_not_per_key() -> None:
+    server = FakeServer(lambda _: b"-NOAUTH Authentication required.\r\n" * 2)
+    try:
+        reader = DirectReader(("127.0.0.1", server.port), timeout_s=1.0)
+        with pytest.raises(redis.AuthenticationError):
+            reader.get_each_into([b"x", b"y"], rows(2, 8), LIMIT)
+        reader.close()
+    finally:
+        server.close()
