@@ -148,10 +148,13 @@ class DirectReader:
                     self._close()
                     raise
                 try:
-                    return parse(first)
+                    reply = parse(first)
                 except BaseException:
                     self._close()
                     raise
+                if self._buf:  # bytes past the reply: the stream is not what was asked for
+                    self._close()
+                return reply
         raise AssertionError("unreachable")
 
     def _connected(self) -> socket.socket:

@@ -237,3 +237,18 @@ def test_refused_credentials_on_a_pipeline_are_raised_not_per_key() -> None:
         reader.close()
     finally:
         server.close()
+
+
+def test_bytes_past_a_reply_retire_the_connection() -> None:
+    replies = iter([b"*1\r\n$6\r\nhhpppp\r\n+EXTRA\r\n"])
+    server = FakeServer(lambda _: next(replies, b"*1\r\n$6\r\nhhqqqq\r\n"))
+    try:
+        reader = DirectReader(("127.0.0.1", server.port), timeout_s=1.0)
+        outs = rows(1, 4)
+        assert reader.mget_into([b"k"], outs, LIMIT) == [Landed(b"hh")] and outs[0] == b"pppp"
+        # the stray "+EXTRA" is never read as the next reply: a new connection answers
+        assert reader.mget_into([b"k"], outs, LIMIT) == [Landed(b"hh")] and outs[0] == b"qqqq"
+        assert server.accepted == 2
+        reader.close()
+    finally:
+        server.close()
