@@ -204,7 +204,13 @@ def test_conversation_from_process_a_wakes_on_b(tiny: LoadedModel, redis_server:
     assert stats["fetched_blocks"] == {"remote": 6} and stats["misses"] == {}
 
 
-@pytest.mark.parametrize("damage", ["payload", "foreign"])
+# Values are received straight into host rows (redis_direct.py); "padded" and "cut" have
+# lengths that still land there, with a header that is not the one written before the row.
+REMOTE_DAMAGE = {"payload": "checksum", "foreign": "fingerprint", "padded": "size",
+                 "cut": "truncated"}
+
+
+@pytest.mark.parametrize("damage", list(REMOTE_DAMAGE))
 def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel, redis_server: Any,
                                         reference: Any) -> None:
     ids = written_remote(redis_server.url)
@@ -218,6 +224,10 @@ def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel, redis_se
             damaged = bytearray(payload)
             damaged[100] ^= 0x40
             client.set(name, pack(header, bytes(damaged)))
+        elif damage == "padded":  # 4 stray bytes between the header and the payload
+            client.set(name, encode_header(header) + b"\0" * 4 + bytes(payload))
+        elif damage == "cut":  # the value's last 10 bytes lost
+            client.set(name, pack(header, payload)[:-10])
         else:
             foreign = BlockHeader(b"\x01" * 16, header.key, header.tokens,
                                   header.payload_nbytes, header.checksum)
@@ -229,8 +239,7 @@ def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel, redis_se
         b.close()
     assert_same(out, reference(ids))
     assert out.residency == "remote" and out.num_restored_tokens == 2 * BLOCK
-    reason = "checksum" if damage == "payload" else "fingerprint"
-    assert stats["misses"] == {f"remote:{reason}": 1}
+    assert stats["misses"] == {f"remote:{REMOTE_DAMAGE[damage]}": 1}
     assert gone  # a block that failed verification is deleted, never read again
 
 
