@@ -149,6 +149,9 @@ class DirectReader:
                     raise
                 try:
                     reply = parse(first)
+                except EOFError as e:  # closed mid-reply: an outage, as a reset would be
+                    self._close()
+                    raise redis.ConnectionError(f"direct read: {e}") from None
                 except BaseException:
                     self._close()
                     raise

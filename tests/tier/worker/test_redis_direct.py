@@ -116,14 +116,15 @@ def test_a_restarted_server_is_reached_again(redis_server: RedisServer) -> None:
 
 
 class FakeServer:
-    """A listener that answers every command with `reply(command_bytes)` (None: close)."""
+    """A listener that answers every command with `reply(command_bytes)` (None: close);
+    `hang_up`: close the connection after each answer."""
 
-    def __init__(self, reply: Callable[[bytes], bytes | None]) -> None:
+    def __init__(self, reply: Callable[[bytes], bytes | None], hang_up: bool = False) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         self.port = self.sock.getsockname()[1]
-        self.reply = reply
+        self.reply, self.hang_up = reply, hang_up
         self.accepted = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -143,6 +144,8 @@ class FakeServer:
                     if out is None:
                         break
                     conn.sendall(out)
+                    if self.hang_up:
+                        break
 
     def close(self) -> None:
         self.sock.close()
@@ -172,6 +175,17 @@ def test_a_bad_reply_is_unavailable_and_the_next_call_reconnects(name: str,
         outs = rows(1, 4)
         assert store.get_many_into([b"k"], outs, LIMIT) == [Landed(b"hh")]
         assert outs[0] == b"pppp"
+        store.close()
+    finally:
+        server.close()
+
+
+def test_a_server_that_hangs_up_mid_value_is_unavailable() -> None:
+    server = FakeServer(lambda _: b"*1\r\n$100\r\nhhpp", hang_up=True)
+    try:
+        store = RedisStore(f"redis://127.0.0.1:{server.port}", NS, timeout_s=1.0)
+        with pytest.raises(RemoteUnavailable, match="closed the connection mid-value"):
+            store.get_many_into([b"k"], rows(1, 4), LIMIT)
         store.close()
     finally:
         server.close()
