@@ -1,29 +1,54 @@
-"""Connecting to a Redis Cluster / Valkey cluster for `ClusterStore`: the client built from a
-checked URL, refused credentials told apart from an outage, and the server settings that would
-cost kvtier blocks or writes named at start."""
+"""redis-py's side of `ClusterStore`: the client built from a checked URL, refused credentials
+told apart from an outage, the server settings that would cost kvtier blocks or writes named
+at start, and a node's keys sent as one pipeline."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
-from redis.exceptions import NoPermissionError, RedisClusterException
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvtier.tier.redis_url import ClusterUrl
+from kvtier.tier.worker.redis_direct import AUTH_ERRORS
 
 log = logging.getLogger(__name__)
 
 # An outage of a node or of the whole cluster: a miss, never a crash (RedisClusterException
 # is not a RedisError).
 OUTAGES = (redis.RedisError, RedisClusterException, OSError)
-AUTH_ERRORS = (redis.AuthenticationError, NoPermissionError)
 CLUSTER_EXAMPLE = "redis-cluster://:PASSWORD@host1:port1,host2:port2"
 EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+# Adds key i's command to a pipeline.
+Command = Callable[[Any, int], None]
+# Runs one node's keys (by index; those in the set go after an ASKING): a reply or an
+# exception per key.
+NodeCall = Callable[[RedisCluster, ClusterNode, list[int], set[int]], list[Any]]
+
+
+def pipelined(command: Command) -> NodeCall:
+    """A node's keys as one redis-py pipeline of `command`s on that node's connection."""
+    def run(client: RedisCluster, node: ClusterNode, indices: list[int],
+            asking: set[int]) -> list[Any]:
+        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        for i in indices:
+            if i in asking:
+                pipe.execute_command("ASKING")
+            command(pipe, i)
+        replies = iter(pipe.execute(raise_on_error=False))
+        kept = []
+        for i in indices:
+            if i in asking:
+                next(replies)  # ASKING's own OK
+            kept.append(next(replies))
+        return kept
+    return run
 
 
 def connect(spec: ClusterUrl, timeout_s: float, read_replicas: bool) -> RedisCluster:

@@ -31,13 +31,14 @@ from kvtier.errors import ConfigError
 from kvtier.tier.redis_url import is_cluster_url, mask_url, parse_cluster_url
 from kvtier.tier.worker.breaker import Breaker
 from kvtier.tier.worker.redis_cluster_client import (
-    AUTH_ERRORS,
     CLUSTER_EXAMPLE,
     OUTAGES,
+    NodeCall,
     connect,
+    pipelined,
     warn_settings,
 )
-from kvtier.tier.worker.redis_direct import DirectReader
+from kvtier.tier.worker.redis_direct import AUTH_ERRORS, NodeReaders
 from kvtier.tier.worker.redis_store import KeyedStore, auth_message
 from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
@@ -46,13 +47,6 @@ log = logging.getLogger(__name__)
 
 MAX_PARALLEL_NODES = 8  # pipelines in flight at once, one per node
 TOPOLOGY_REFRESH_S = 10.0  # the slot map is re-read this often even when nothing failed
-
-# Adds key i's command to a pipeline.
-Command = Callable[[Any, int], None]
-# Runs one node's keys (by index, those in the set after an ASKING) without a pipeline: a
-# reply or an exception per key.
-NodeCall = Callable[[ClusterNode, list[int], set[int]], list[Any]]
-
 
 class ClusterStore(KeyedStore):
     """Batched byte store over a cluster: per-node pipelines, per-node breakers."""
@@ -77,7 +71,9 @@ class ClusterStore(KeyedStore):
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="kvtier-cluster")
         # fetches into host rows, a connection of its own per node (redis_direct.py); TLS:
         # bytes through redis-py
-        self._readers: dict[str, DirectReader] | None = None if self._spec.tls else {}
+        self._readers = None if self._spec.tls else NodeReaders(
+            timeout_s, username=self._spec.username, password=self._spec.password,
+            client_name=dict(self._spec.options).get("client_name"), readonly=read_replicas)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored, or why its shard did not take it."""
@@ -86,41 +82,46 @@ class ClusterStore(KeyedStore):
         def put(pipe: Any, i: int) -> None:
             pipe.set(names[i], items[i][1], px=self._px)
 
-        out = self._batch("put", names, put, write=True)
+        out = self._batch("put", names, pipelined(put), write=True)
         return [v if isinstance(v, RemoteUnavailable) else None for v in out]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         """Per key its value, None (absent) or why its shard did not answer."""
         names = [self.key(k) for k in keys]
-        return self._batch("get", names, lambda pipe, i: pipe.get(names[i]), write=False)
+        return self._batch("get", names, pipelined(lambda pipe, i: pipe.get(names[i])),
+                           write=False)
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
                       header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
         """As `get_many`, each value whose payload fits its `out` received straight into it
         (pipelined GETs per node, each on its own connection)."""
-        if self._readers is None:
+        readers = self._readers
+        if readers is None:
             return list(self.get_many(keys))
         names = [self.key(k) for k in keys]
 
-        def fetch(node: ClusterNode, indices: list[int], asking: set[int]) -> list[Any]:
-            return list(self._reader(node).get_each_into(
+        def fetch(client: RedisCluster, node: ClusterNode, indices: list[int],
+                  asking: set[int]) -> list[Any]:
+            reader = readers.get(node.name, (node.host, int(node.port)))
+            return list(reader.get_each_into(
                 [names[i] for i in indices], [outs[i] for i in indices], header_limit,
                 {j for j, i in enumerate(indices) if i in asking}))
 
-        return self._batch("get", names, lambda pipe, i: pipe.get(names[i]), write=False,
-                           call=fetch)
+        return self._batch("get", names, fetch, write=False)
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool | None]:
         """Per key whether it is held, None where its shard did not answer."""
         names = [self.key(k) for k in keys]
-        out = self._batch("exists", names, lambda pipe, i: pipe.exists(names[i]), write=False)
+        out = self._batch("exists", names, pipelined(lambda pipe, i: pipe.exists(names[i])),
+                          write=False)
         return [None if isinstance(v, RemoteUnavailable) else bool(v) for v in out]
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` were present (and are now gone); one DEL per key, since a
         multi-key DEL must stay within one slot."""
         names = [self.key(k) for k in keys]
-        out = self._batch("delete", names, lambda pipe, i: pipe.delete(names[i]), write=True)
+        out = self._batch("delete", names, pipelined(lambda pipe, i: pipe.delete(names[i])),
+                          write=True)
         return sum(v for v in out if isinstance(v, int))
 
     def check(self) -> None:
@@ -140,11 +141,8 @@ class ClusterStore(KeyedStore):
         self._pool.shutdown(wait=False)
         with self._lock:
             client, self._client = self._client, None
-            readers = list((self._readers or {}).values())
-            if self._readers:
-                self._readers.clear()
-        for reader in readers:
-            reader.close()
+        if self._readers is not None:
+            self._readers.close()
         if client is not None:
             client.close()
 
@@ -155,11 +153,10 @@ class ClusterStore(KeyedStore):
 
     # -- one batch -----------------------------------------------------------------------
 
-    def _batch(self, what: str, names: Sequence[bytes], command: Command,
-               write: bool, call: NodeCall | None = None) -> list[Any]:
-        """Per name the node's reply or a RemoteUnavailable (raised for the whole batch
-        only when no client can be built); `call` runs a node's keys instead of a pipeline
-        of `command`s."""
+    def _batch(self, what: str, names: Sequence[bytes], call: NodeCall,
+               write: bool) -> list[Any]:
+        """Per name the node's reply (`call` runs each node's keys) or a RemoteUnavailable
+        (raised for the whole batch only when no client can be built)."""
         if not names:
             return []
         client = self._cluster()
@@ -170,7 +167,7 @@ class ClusterStore(KeyedStore):
             self._refresh(client)
         out: list[Any] = [None] * len(names)
         groups = self._route(client, range(len(names)), names, write, out)
-        redirects, failed = self._send(client, what, groups, command, out, set(), call)
+        redirects, failed = self._send(client, what, groups, call, out, set())
         groups, asking = {}, set()
         if redirects:  # the slot moved (reshard, failover): follow once, then give up
             if any(isinstance(e, MovedError) for e in redirects.values()):
@@ -183,7 +180,7 @@ class ClusterStore(KeyedStore):
             for node, indices in again.values():
                 groups.setdefault(node.name, (node, []))[1].extend(indices)
         if groups:
-            self._send(client, what, groups, command, out, asking, call)
+            self._send(client, what, groups, call, out, asking)
         return out
 
     def _route(self, client: RedisCluster, indices: Sequence[int], names: Sequence[bytes],
@@ -225,26 +222,13 @@ class ClusterStore(KeyedStore):
         return None
 
     def _send(self, client: RedisCluster, what: str,
-              groups: dict[str, tuple[ClusterNode, list[int]]], command: Command,
-              out: list[Any], asking: set[int], call: NodeCall | None = None
+              groups: dict[str, tuple[ClusterNode, list[int]]], call: NodeCall,
+              out: list[Any], asking: set[int]
               ) -> tuple[dict[int, MovedError | AskError], dict[str, list[int]]]:
-        """One pipeline (or `call`) per node, in parallel; fills `out`; the redirected keys,
-        and the keys of each node that failed."""
+        """`call` on each node's keys, the nodes in parallel; fills `out`; the redirected
+        keys, and the keys of each node that failed."""
         def run(node: ClusterNode, indices: list[int]) -> list[Any]:
-            if call is not None:
-                return call(node, indices, asking)
-            pipe = client.get_redis_connection(node).pipeline(transaction=False)
-            for i in indices:
-                if i in asking:
-                    pipe.execute_command("ASKING")
-                command(pipe, i)
-            replies = iter(pipe.execute(raise_on_error=False))
-            kept = []
-            for i in indices:
-                if i in asking:
-                    next(replies)  # ASKING's own OK
-                kept.append(next(replies))
-            return kept
+            return call(client, node, indices, asking)
 
         jobs = list(groups.values())
         if len(jobs) == 1:
@@ -360,30 +344,14 @@ class ClusterStore(KeyedStore):
                    for n in owners}
         with self._lock:  # a node that left the map is no longer "down": it is gone
             self._breakers = {k: b for k, b in self._breakers.items() if k in serving}
-            gone = [r for k, r in (self._readers or {}).items() if k not in serving]
-            if self._readers:
-                self._readers = {k: r for k, r in self._readers.items() if k in serving}
-        for reader in gone:
-            reader.close()
+        if self._readers is not None:
+            self._readers.keep(serving)
         return True
 
     def _any_down(self) -> bool:
         with self._lock:
             breakers = list(self._breakers.values())
         return any(b.is_open for b in breakers)
-
-    def _reader(self, node: ClusterNode) -> DirectReader:
-        """The node's own connection for fetches into rows, made on first use."""
-        with self._lock:
-            assert self._readers is not None
-            reader = self._readers.get(node.name)
-            if reader is None:
-                reader = self._readers[node.name] = DirectReader(
-                    (node.host, int(node.port)), self._timeout_s,
-                    username=self._spec.username, password=self._spec.password,
-                    client_name=dict(self._spec.options).get("client_name"),
-                    readonly=self._read_replicas)
-            return reader
 
     def _breaker(self, name: str) -> Breaker:
         with self._lock:

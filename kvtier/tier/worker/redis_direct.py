@@ -28,7 +28,9 @@ MAX_VALUE_BYTES = 512 << 20  # Redis's own cap on a value (proto-max-bulk-len)
 _CRLF = b"\r\n"
 _AUTH_ERRORS = ("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH",
                 "ERR Client sent AUTH")
-AUTH_REPLIES = (redis.AuthenticationError, NoPermissionError)
+# redis-py's errors for refused credentials, on every connection kvtier makes to Redis: a
+# configuration mistake (ConfigError), never an outage
+AUTH_ERRORS = (redis.AuthenticationError, NoPermissionError)
 
 T = TypeVar("T")
 Value = bytes | Landed | None  # a value: landed in its row, whole, or absent
@@ -116,7 +118,7 @@ class DirectReader:
                 value = (reply_error(reply) if reply.startswith(b"-")
                          else self._value(reply, out, header_limit))
                 values.append(denied or value)
-            refused = [v for v in values if isinstance(v, AUTH_REPLIES)]
+            refused = [v for v in values if isinstance(v, AUTH_ERRORS)]
             if refused:  # the connection's credentials, not one key's trouble
                 raise refused[0]
             return values
@@ -256,6 +258,38 @@ class DirectReader:
         if not chunk:
             raise EOFError("the server closed the connection")
         self._buf += chunk
+
+
+class NodeReaders:
+    """A `DirectReader` per cluster node (by its "host:port" name), made on first use and
+    closed when the node leaves the slot map; every one with the cluster's credentials."""
+
+    def __init__(self, timeout_s: float, *, username: str | None, password: str | None,
+                 client_name: str | None, readonly: bool) -> None:
+        self._timeout_s = timeout_s
+        self._options: dict[str, Any] = {"username": username, "password": password,
+                                         "client_name": client_name, "readonly": readonly}
+        self._readers: dict[str, DirectReader] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, address: tuple[str, int]) -> DirectReader:
+        with self._lock:
+            reader = self._readers.get(name)
+            if reader is None:
+                reader = self._readers[name] = DirectReader(address, self._timeout_s,
+                                                            **self._options)
+            return reader
+
+    def keep(self, names: Collection[str]) -> None:
+        """Close the readers of nodes not in `names` (they left the slot map)."""
+        with self._lock:
+            gone = [r for name, r in self._readers.items() if name not in names]
+            self._readers = {n: r for n, r in self._readers.items() if n in names}
+        for reader in gone:
+            reader.close()
+
+    def close(self) -> None:
+        self.keep(())
 
 
 def number(line: bytes) -> int:

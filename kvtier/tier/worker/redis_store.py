@@ -24,7 +24,7 @@ from redis.retry import Retry
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.tier.redis_url import ACCEPTED_URLS, mask_url, validate_url
 from kvtier.tier.worker.breaker import Breaker
-from kvtier.tier.worker.redis_direct import DirectReader, direct_supported
+from kvtier.tier.worker.redis_direct import AUTH_ERRORS, DirectReader, direct_supported
 from kvtier.tier.worker.remote_store import Landed
 from kvtier.tier.worker.unavailable import RemoteUnavailable
 
@@ -195,7 +195,7 @@ class RedisStore(KeyedStore):
         except redis.DataError:
             self._breaker.released()
             raise  # a value redis-py cannot encode: the caller's bug, not an outage
-        except (redis.AuthenticationError, NoPermissionError) as e:
+        except AUTH_ERRORS as e:
             self._breaker.released()
             self._record(e)
             raise ConfigError(auth_message(f"Redis at {self._url_for_log}", e)) from None
