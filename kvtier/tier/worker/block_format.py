@@ -187,6 +187,16 @@ def decode_header(buf: Buffer) -> BlockHeader:
         raise CorruptBlock(Reason.FIELD, str(e)) from None
 
 
+def decode_whole_header(buf: Buffer) -> BlockHeader:
+    """A header that must fill `buf` exactly: the bytes a remote value held before the payload
+    that landed in its host row (CorruptBlock, SIZE where they are more than the header)."""
+    header = decode_header(buf)
+    if encoded_header_nbytes(header) != len(as_bytes(buf)):
+        raise CorruptBlock(Reason.SIZE, f"a {len(as_bytes(buf))}-byte header where "
+                                        f"{encoded_header_nbytes(header)} were written")
+    return header
+
+
 def as_bytes(data: Buffer) -> memoryview:
     """A flat unsigned-byte view of any C-contiguous buffer (ValueError otherwise), no copy."""
     mv = memoryview(data)

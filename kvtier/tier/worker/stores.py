@@ -27,8 +27,7 @@ from kvtier.tier.worker.block_format import (
     BlockHeader,
     Buffer,
     CorruptBlock,
-    decode_header,
-    encoded_header_nbytes,
+    decode_whole_header,
     max_header_nbytes,
     pack,
     unpack,
@@ -241,11 +240,7 @@ class _RemoteReads:
         if blob is None:  # expired, evicted by Redis, or deleted since the lookup
             raise StoreMiss(Reason.MISSING, "absent")
         if isinstance(blob, Landed):  # the payload is in `out` already
-            header = decode_header(blob.header)
-            if encoded_header_nbytes(header) != len(blob.header):
-                raise CorruptBlock(Reason.SIZE, f"a {len(blob.header)}-byte header where "
-                                                f"{encoded_header_nbytes(header)} were written")
-            return header, out
+            return decode_whole_header(blob.header), out
         try:
             return unpack(blob)
         except ValueError as e:

@@ -12,12 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.tier.fingerprint import FORMAT_VERSION, Fingerprint
+from kvtier.tier.jobs import Reason
 from kvtier.tier.worker.block_format import (
     BlockHeader,
     CorruptBlock,
     check,
     copy_into,
     decode_header,
+    decode_whole_header,
     encode_header,
     encoded_header_nbytes,
     max_header_nbytes,
@@ -211,3 +213,15 @@ def test_tensor_helpers_refuse_what_they_cannot_view() -> None:
         copy_into(t, bytes(63))
     with pytest.raises(ValueError, match="header says"):
         pack(header_for(b"k", [], b"abc"), b"abcd")
+
+
+def test_a_landed_header_must_fill_its_bytes_exactly() -> None:
+    h = header_for(b"k", [1, 2, 3], b"payload")
+    raw = encode_header(h)
+    assert decode_whole_header(raw) == h
+    with pytest.raises(CorruptBlock) as e:
+        decode_whole_header(raw + b"\0" * 4)  # stray bytes before the payload
+    assert e.value.reason is Reason.SIZE
+    with pytest.raises(CorruptBlock) as e:
+        decode_whole_header(raw[:-3])
+    assert e.value.reason is Reason.TRUNCATED
