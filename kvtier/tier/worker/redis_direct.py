@@ -26,7 +26,7 @@ from kvtier.tier.worker.remote_store import Landed
 RECV_CHUNK = 64 << 10  # a status line or a small value is read in chunks of this size
 MAX_VALUE_BYTES = 512 << 20  # Redis's own cap on a value (proto-max-bulk-len)
 _CRLF = b"\r\n"
-_AUTH_ERRORS = ("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH",
+_AUTH_REPLY_PREFIXES = ("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH",
                 "ERR Client sent AUTH")
 # redis-py's errors for refused credentials, on every connection kvtier makes to Redis: a
 # configuration mistake (ConfigError), never an outage
@@ -322,7 +322,7 @@ def reply_error(line: bytes) -> redis.RedisError:
             return AskError(rest)
     except ValueError:  # not "slot host:port"
         return redis.ResponseError(text)
-    if text.startswith(_AUTH_ERRORS):
+    if text.startswith(_AUTH_REPLY_PREFIXES):
         return redis.AuthenticationError(text)
     if code == "NOPERM":
         return NoPermissionError(text)
