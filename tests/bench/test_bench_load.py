@@ -56,8 +56,12 @@ def measured(tiny: LoadedModel) -> tuple[Any, dict[str, Any]]:
 def test_time_scale_auto_lands_near_its_target_utilisation(
         tiny: LoadedModel, measured: tuple[Any, dict[str, Any]]) -> None:
     trace, auto = measured
-    got = replay(tiny, trace, auto["factor"])
-    assert 0.7 * 0.8 <= got["utilisation"] <= 0.7 * 1.2, (auto, got)
+    # the median of three replays: a single replay beside the rest of the suite on 2 shared
+    # cores once read 0.848 (the bound is 0.84), while it passed alone and in earlier runs
+    runs = sorted((replay(tiny, trace, auto["factor"]) for _ in range(3)),
+                  key=lambda r: r["utilisation"])
+    got = runs[1]
+    assert 0.7 * 0.8 <= got["utilisation"] <= 0.7 * 1.2, (auto, runs)
     assert not got["saturated"]
 
 
