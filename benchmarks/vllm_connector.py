@@ -19,6 +19,9 @@ without AVX-512 BF16), 2 cores.
            Each wake is split by where its time went, from the connector's own timeline
            (benchmarks/wake_breakdown.py): lookup, fetch below host, the wait for vLLM to ask
            again, admission, the copy into vLLM's cache, the forward pass.
+           The Redis row's server is started with MALLOC_CONF=muzzy_decay_ms:-1, the setting
+           the README gives for a Redis that holds KV blocks (--redis-malloc-conf "": the
+           allocator's defaults, which fault every large reply in again after a pause).
   no hit   decode and prefill of prompts that share nothing: what storing every full block
            (and writing it on to disk or Redis) costs when nothing is ever hit. Measured two
            ways: kvtier's own seconds in vLLM's hooks as a share of the steps they ran in
@@ -31,6 +34,7 @@ without AVX-512 BF16), 2 cores.
 
     python benchmarks/vllm_connector.py [--repeats 3] [--pairs 3] [--idle-s 1.5] [--out DIR]
                                         [--no-deployments] [--only host,disk,redis]
+                                        [--redis-malloc-conf CONF]
 Needs the vLLM environment: bash scripts/vllm_env.sh.
 """
 
@@ -49,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
-from tiers import Redis
+from tiers import SERVER_MALLOC_CONF, Redis
 from wake_breakdown import hook_share, median_segments, print_breakdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +111,9 @@ def main() -> int:
     ap.add_argument("--no-deployments", action="store_true",
                     help="skip the tensor-parallel, hybrid and int8 rows")
     ap.add_argument("--only", default="host,disk,redis", help="the kvtier tiers to run")
+    ap.add_argument("--redis-malloc-conf", default=SERVER_MALLOC_CONF,
+                    help="MALLOC_CONF for the redis-server this script starts (\"\": the "
+                         "allocator's defaults)")
     args = ap.parse_args()
     if args.repeats < 1 or args.pairs < 0 or not 0 <= args.idle_s <= 600:
         raise SystemExit("--repeats must be at least 1, --pairs at least 0, --idle-s 0-600")
@@ -123,12 +130,13 @@ def main() -> int:
     rng = random.Random(0)
     prompts, follow_at = wake_prompts(rng, args.repeats)
     nohit = [[rng.randrange(100, 49000) for _ in range(512)] for _ in range(8)]
-    redis = Redis()
+    redis = Redis(args.redis_malloc_conf)
     tiers: dict[str, dict[str, Any]] = {
         "host": HOST,
         "disk": {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"), "disk_kv_size": 2}}
     if redis.url:
         tiers["redis"] = {**SMALL_HOST, "remote_kv_url": redis.url}
+        print(f"redis-server started with MALLOC_CONF={args.redis_malloc_conf or '(unset)'}")
     else:
         print(f"redis row skipped: {redis.reason}")
     chosen = args.only.split(",")
@@ -184,7 +192,9 @@ def main() -> int:
         deployed["summary"] = report_deployments(deployed["rows"])
     path = write_result("vllm_connector", {"rows": rows, "nohit_rounds": rounds,
                                            "summary": summary, "session_tokens": SESSION,
-                                           "deployments": deployed}, args.out)
+                                           "deployments": deployed,
+                                           "redis_malloc_conf": args.redis_malloc_conf},
+                         args.out)
     print(f"wrote {path}")
     return 0
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -57,10 +57,11 @@ class RedisServer:
     """One redis-server child on 127.0.0.1; `stop()` then `start()` reuses the same port."""
 
     def __init__(self, binary: str, password: str | None = None,
-                 args: Sequence[str] = ()) -> None:
+                 args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         self.binary = binary
         self.password = password
         self.args = tuple(args)  # more server options (a cluster node's)
+        self.env = dict(env or {})  # more environment (an allocator's MALLOC_CONF)
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
         self.log_path = self.dir / "redis.log"
@@ -87,7 +88,8 @@ class RedisServer:
             args += ["--requirepass", self.password]
         self._log = self.log_path.open("ab")
         self._proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                                      env={**os.environ, **self.env})
         client = self.client(timeout_s=0.5)
         try:
             deadline = time.monotonic() + STARTUP_S
