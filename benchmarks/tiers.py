@@ -181,7 +181,10 @@ class Redis:
         except ImportError as e:
             self.reason = f"cannot import tests/redis_server.py ({e})"
             return
-        server = RedisServer(binary, env={"MALLOC_CONF": malloc_conf} if malloc_conf else None)
+        # Debian's build reads MALLOC_CONF; one built from source (jemalloc prefixed je_) reads
+        # JE_MALLOC_CONF
+        env = {"MALLOC_CONF": malloc_conf, "JE_MALLOC_CONF": malloc_conf} if malloc_conf else None
+        server = RedisServer(binary, env=env)
         try:
             server.start()
         except RuntimeError as e:
