@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import hmac
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from blake3 import blake3
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_peak_gbps, write_result
+from local_redis import LocalRedis
 
 from kvtier.tier import GIB, Job, KVLayout, Medium, Result, TierConfig, build_worker_side
 from kvtier.tier.worker.block_format import BlockHeader, check, pack, payload_checksum, unpack
@@ -95,22 +95,15 @@ def candidates(block: bytes) -> list[dict[str, Any]]:
 
 @contextmanager
 def redis_server() -> Iterator[str | None]:
-    """A redis-server child on a free loopback port (tests/redis_server.py); None if none."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        print("fetch rows skipped: redis-server is not on PATH (`bash scripts/redis.sh "
-              "ensure` installs it)")
-        yield None
-        return
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from redis_server import RedisServer
-
-    server = RedisServer(binary)
+    """A redis-server child on a free loopback port, with its allocator's defaults (as the
+    README's rows were measured); None if none."""
+    redis = LocalRedis(malloc_conf="")
+    if redis.server is None:
+        print(f"fetch rows skipped: {redis.reason}")
     try:
-        server.start()
-        yield server.url
+        yield redis.url
     finally:
-        server.close()
+        redis.close()
 
 
 def run(w: TierWorker, job: Job) -> Result:

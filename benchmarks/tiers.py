@@ -58,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_peak_gbps, write_result
 from disk_layout import drop_cache, resident_fraction
+from local_redis import LocalRedis
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
@@ -156,57 +157,6 @@ def cold_read_gbps(directory: Path, block_bytes: int, mib: int = COLD_READ_MIB) 
     return measure_disk_gbps(directory, block_bytes, blocks=max(1, (mib << 20) // block_bytes))
 
 
-# Debian's redis-server (system jemalloc) hands freed reply buffers back to the kernel, so
-# every large fetch faulted its whole reply in again: 23k minor faults and ~60 ms more server
-# CPU per 94 MB fetch on this box. Keeping the lazily freed pages removes that (README, Redis).
-SERVER_MALLOC_CONF = "muzzy_decay_ms:-1"
-
-
-class Redis:
-    """A redis-server child on loopback (tests/redis_server.py's RedisServer), or the reason
-    there is none; `malloc_conf` is its allocator's MALLOC_CONF ("" for jemalloc's defaults)."""
-
-    def __init__(self, malloc_conf: str = SERVER_MALLOC_CONF) -> None:
-        self.malloc_conf = malloc_conf
-        self.server: Any = None
-        self.reason = ""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            self.reason = ("redis-server is not on PATH (`bash scripts/redis.sh ensure` "
-                           "installs it)")
-            return
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        try:
-            from redis_server import RedisServer
-        except ImportError as e:
-            self.reason = f"cannot import tests/redis_server.py ({e})"
-            return
-        # Debian's build reads MALLOC_CONF; one built from source (jemalloc prefixed je_) reads
-        # JE_MALLOC_CONF
-        env = {"MALLOC_CONF": malloc_conf, "JE_MALLOC_CONF": malloc_conf} if malloc_conf else None
-        server = RedisServer(binary, env=env)
-        try:
-            server.start()
-        except RuntimeError as e:
-            server.close()
-            self.reason = f"redis-server did not start: {e}"
-            return
-        self.server = server
-
-    @property
-    def url(self) -> str | None:
-        return self.server.url if self.server is not None else None
-
-    def flush(self) -> None:
-        if self.server is not None:
-            self.server.flush()
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-
-
 def raw_bandwidths(directory: Path, block_bytes: int, url: str | None) -> dict[str, Any]:
     """This minute's ceilings: host copy, the disk under `directory`, Redis."""
     out: dict[str, Any] = {"host_copy_gbps": copy_peak_gbps()}
@@ -232,7 +182,7 @@ class Bench:
     """Engines built on the one loaded model, and the per-context measurement."""
 
     def __init__(self, loaded: LoadedModel, args: argparse.Namespace, contexts: list[int],
-                 root: Path, redis: Redis) -> None:
+                 root: Path, redis: LocalRedis) -> None:
         self.loaded = loaded
         self.vocab = loaded.spec.vocab_size
         self.repeats = args.repeats
@@ -528,7 +478,7 @@ def main() -> int:
     fs = filesystem_of(root)
     if fs["fstype"] in ("tmpfs", "ramfs"):
         print(f"warning: {root} is on {fs['fstype']}: the disk rows measure RAM, not a disk")
-    redis = Redis()
+    redis = LocalRedis()
     if redis.server is None:
         print(f"remote row skipped: {redis.reason}")
     try:

@@ -53,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
-from tiers import SERVER_MALLOC_CONF, Redis
+from local_redis import SERVER_MALLOC_CONF, LocalRedis
 from wake_breakdown import hook_share, median_segments, print_breakdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def main() -> int:
     rng = random.Random(0)
     prompts, follow_at = wake_prompts(rng, args.repeats)
     nohit = [[rng.randrange(100, 49000) for _ in range(512)] for _ in range(8)]
-    redis = Redis(args.redis_malloc_conf)
+    redis = LocalRedis(args.redis_malloc_conf)
     tiers: dict[str, dict[str, Any]] = {
         "host": HOST,
         "disk": {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"), "disk_kv_size": 2}}

@@ -1,0 +1,59 @@
+"""The redis-server child a benchmark measures against: on loopback, started with the
+allocator setting the README asks deployments for, or the reason there is none."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+# Debian's redis-server (system jemalloc) hands freed reply buffers back to the kernel, so
+# every large fetch faulted its whole reply in again: 23k minor faults and ~60 ms more server
+# CPU per 94 MB fetch on this box. Keeping the lazily freed pages removes that (README, Redis).
+SERVER_MALLOC_CONF = "muzzy_decay_ms:-1"
+
+
+class LocalRedis:
+    """A redis-server child (tests/redis_server.py's RedisServer), or `reason` why there is
+    none; `malloc_conf` is its allocator's MALLOC_CONF ("" for jemalloc's defaults)."""
+
+    def __init__(self, malloc_conf: str = SERVER_MALLOC_CONF) -> None:
+        self.malloc_conf = malloc_conf
+        self.server: Any = None
+        self.reason = ""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            self.reason = ("redis-server is not on PATH (`bash scripts/redis.sh ensure` "
+                           "installs it)")
+            return
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        try:
+            from redis_server import RedisServer
+        except ImportError as e:
+            self.reason = f"cannot import tests/redis_server.py ({e})"
+            return
+        # Debian's build reads MALLOC_CONF; one built from source (jemalloc prefixed je_) reads
+        # JE_MALLOC_CONF
+        env = {"MALLOC_CONF": malloc_conf, "JE_MALLOC_CONF": malloc_conf} if malloc_conf else None
+        server = RedisServer(binary, env=env)
+        try:
+            server.start()
+        except RuntimeError as e:
+            server.close()
+            self.reason = f"redis-server did not start: {e}"
+            return
+        self.server = server
+
+    @property
+    def url(self) -> str | None:
+        return self.server.url if self.server is not None else None
+
+    def flush(self) -> None:
+        if self.server is not None:
+            self.server.flush()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
