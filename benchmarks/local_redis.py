@@ -19,7 +19,6 @@ class LocalRedis:
     none; `malloc_conf` is its allocator's MALLOC_CONF ("" for jemalloc's defaults)."""
 
     def __init__(self, malloc_conf: str = SERVER_MALLOC_CONF) -> None:
-        self.malloc_conf = malloc_conf
         self.server: Any = None
         self.reason = ""
         binary = shutil.which("redis-server")
