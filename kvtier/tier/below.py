@@ -46,6 +46,9 @@ class _Pending:
     job: Job
     request_id: str = ""  # a fetch's request ("" for a write)
     predicted_s: float | None = None
+    # The request left (finished, aborted, preempted, timed out) while its fetch was in
+    # flight: what lands is kept as ordinary, unpinned host blocks.
+    left: bool = False
 
 
 class BelowHost:
@@ -196,10 +199,19 @@ class BelowHost:
 
     def release(self, request_id: str) -> None:
         """The request was admitted (its load took pins of its own) or went away: its
-        fetched blocks may be evicted again."""
+        fetched blocks may be evicted again, and a fetch of its still in flight pins nothing
+        when it lands (nobody is left to release it)."""
         keys = self.held.pop(request_id, None)
         if keys:
             self.host.release(keys)
+        for pending in self.jobs.values():
+            if pending.request_id == request_id:
+                pending.left = True
+
+    @property
+    def pinned_for_requests(self) -> int:
+        """Host blocks pinned for requests whose fetch landed and that were not admitted yet."""
+        return sum(map(len, self.held.values()))
 
     def _add(self, pending: _Pending) -> None:
         self.jobs[pending.job.id] = pending
@@ -236,7 +248,9 @@ class BelowHost:
             self.host.complete_store(t.keys[:n], True)
             # Pinned until its request is admitted, while holds leave half the host to
             # stores and other fetches (requests waiting on device room must not starve it).
-            if sum(map(len, self.held.values())) + n <= self.host.num_slots // 2:
+            # A request that left meanwhile gets no pin: the blocks stay as ordinary ones.
+            if not pending.left and \
+                    self.pinned_for_requests + n <= self.host.num_slots // 2:
                 self.host.hold(t.keys[:n])
                 self.held[pending.request_id] = list(t.keys[:n])
         if n < len(t.keys):

@@ -277,3 +277,59 @@ def test_a_swap_in_is_counted_apart_from_a_restore() -> None:
     run(m)
     o = m.outcome("r")
     assert (o.restored_tokens, o.swapped_in_tokens, o.nbytes) == (BS, BS, 2 * NBYTES)
+
+
+def _fetch_in_flight(m: TierManager, rid: str) -> Job:
+    """Blocks 0, 1 on disk only; `rid` matches them and its fetch is started, not landed."""
+    m.store([1, 2], KEYS[:2], CHUNKS[:2])
+    run(m)
+    run(m)  # the writes down land
+    m.host.remove(KEYS[:2])
+    assert m.match(rid, KEYS[:2], CHUNKS[:2]) is FETCHING
+    [fetch] = m.take_jobs()
+    return fetch
+
+
+def test_a_fetch_that_lands_after_its_request_left_pins_nothing() -> None:
+    # host 4 over disk 8: "r" starts a fetch of [0, 1]; it is aborted (finished) before the
+    # fetch lands -> the blocks land as ordinary host blocks, pinned by nobody
+    m = manager(below=True, slots=4)
+    fetch = _fetch_in_flight(m, "r")
+    m.finished("r")  # abort, client disconnect, timeout: the request is gone
+    assert m.host.stats.pinned == 2  # the fetch's own slots, until it lands
+    m.apply([Result(fetch.id, (True, True), ("", ""), 2 * NBYTES, 1e-6)])
+    assert m.host.stats.pinned == 0 and m.below.pinned_for_requests == 0
+    assert m.host_hits(KEYS[:2], CHUNKS[:2]) == 2  # still useful to the next request
+    m.store([3, 4, 5, 6], KEYS[2:6], CHUNKS[2:6])  # and evictable: the host makes room
+    run(m)
+    run(m)  # their writes down land (a write holds its rows while it reads them)
+    assert m.host_hits(KEYS[:2], CHUNKS[:2]) == 0 and m.host.stats.pinned == 0
+
+
+def test_a_failed_fetch_after_its_request_left_pins_nothing() -> None:
+    m = manager(below=True, slots=4)
+    fetch = _fetch_in_flight(m, "r")
+    m.finished("r")
+    m.apply([Result(fetch.id, (False, False), ("unavailable", "skipped"), 0, 0.5)])
+    assert m.host.stats.pinned == 0 and m.below.pinned_for_requests == 0
+    assert m.below.tier(Medium.DISK).stats.pinned == 0
+
+
+def test_six_aborted_wakes_leave_no_pinned_slot() -> None:
+    # the hostile operator's case: wake after wake aborted while its fetch is in flight
+    m = manager(below=True, slots=4)
+    for i in range(6):
+        rid = f"r{i}"
+        fetch = _fetch_in_flight(m, rid)
+        m.finished(rid)
+        m.apply([Result(fetch.id, (True, True), ("", ""), 2 * NBYTES, 1e-6)])
+    assert m.host.stats.pinned == 0 and m.below.pinned_for_requests == 0
+
+
+def test_a_request_that_stays_keeps_its_fetched_blocks_pinned_until_admitted() -> None:
+    m = manager(below=True, slots=4)
+    fetch = _fetch_in_flight(m, "r")
+    m.apply([Result(fetch.id, (True, True), ("", ""), 2 * NBYTES, 1e-6)])
+    assert m.below.pinned_for_requests == 2  # waiting for device room: not evicted meanwhile
+    m.finished("r")  # left before admission: released
+    assert m.below.pinned_for_requests == 0 and m.host.stats.pinned == 0
