@@ -10,6 +10,8 @@ Primitives, in the order a client calls them:
   store(blocks, keys, tokens)       device blocks -> host slots (the client holds an extra
                                     reference on each device block until its StoreDone)
   finished(request)                 the request is gone: its per-request state is dropped
+  reset()                           the client's keys move to a new identity (its engine's
+                                    weights may have changed): drop every unpinned host block
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
 and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
@@ -276,6 +278,13 @@ class TierManager:
         self._requests.pop(request_id, None)
         self.below.release(request_id)
         self.forget(swap_keys)
+
+    def reset(self) -> int:
+        """Drop every host block no job pins (no key of the old identity is asked for again,
+        so their room is better given back now); how many were dropped. Blocks below host
+        stay: a process on the weights they were computed with may still find them."""
+        dropped = self.host.remove(self.host.complete_keys())
+        return dropped
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         """Drop a request's swap entries (pinned ones, still loading, are kept)."""

@@ -53,6 +53,11 @@ class BlockRemoved:
     group_idx: int
 
 
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
 def vhash(prefix: list[int]) -> int:
     """vLLM's hash of the block ending `prefix` (a stand-in: any chain of the whole prefix)."""
     return int.from_bytes(hashlib.sha256(repr(prefix).encode()).digest()[:8], "big")
@@ -92,7 +97,8 @@ class Rig:
         manager = TierManager(TierConfig(kv_offloading_size=1), BS, tier, Planner(cal), 1000,
                               below, ids, self.log)
         self.vllm = Vllm()
-        self.events = KVEvents(self.vllm.origin, BS, MEDIA, BlockStored, BlockRemoved)
+        self.events = KVEvents(self.vllm.origin, BS, MEDIA, BlockStored, BlockRemoved,
+                               AllBlocksCleared)
         self.side = SchedulerSide(manager, BS, FP.namespace, windows=windows,
                                   recorder=self.events)
 
@@ -239,3 +245,16 @@ def test_only_host_and_disk_are_published() -> None:
     # a change of one block of a chain is an event of its own, its parent named
     assert rig.events.take([ResidencyChange(first, Medium.HOST, ChangeKind.REMOVED)]) == [
         removed(A, 0, 1)]
+
+
+def test_a_cache_reset_is_one_all_blocks_cleared_and_nothing_withdrawn_after_it() -> None:
+    # host 4: A published; vLLM resets (kvtier drops its host blocks) -> AllBlocksCleared,
+    # never a removal of A, and nothing of A kept; B after the reset is published as usual
+    rig = Rig(host=4)
+    rig.serve("a", A)
+    assert rig.take() == [stored(A, 0, 3)]
+    rig.events.reset()
+    rig.side.reset()
+    assert rig.take() == [AllBlocksCleared()] and rig.events.kept == 0
+    rig.serve("b", B)
+    assert rig.take() == [stored(B, 0, 4)]

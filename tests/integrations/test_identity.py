@@ -110,9 +110,81 @@ def test_a_hub_model_is_identified_by_its_commit_only() -> None:
         weights_identity("org/model", "main")
 
 
-def test_a_directory_without_safetensors_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
+def test_a_directory_without_weight_files_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no weight files that vLLM's load_format=auto"):
         weights_identity(str(tmp_path))
+
+
+# -- what vLLM reads, under each load_format ----------------------------------------------
+
+def test_a_dummy_load_is_unshared_random_and_never_the_pin(tmp_path: Path) -> None:
+    # load_format="dummy": vLLM never reads the files; the identity is this process's alone
+    model = model_dir(tmp_path / "m")
+    first = weights_identity(str(model), load_format="dummy")
+    second = weights_identity(str(model), load_format="dummy")
+    assert first.startswith(identity.UNSHARED) and not identity.is_shared(first)
+    assert first != second  # never reused (a restart is a new call)
+    assert first != weights_identity(str(model))
+    pinned = weights_identity(str(model), pinned="registry/v7", load_format="dummy")
+    assert not identity.is_shared(pinned)  # random weights are not the pinned model
+
+
+def test_a_load_format_kvtier_does_not_follow_is_unshared(tmp_path: Path) -> None:
+    model = model_dir(tmp_path / "m")
+    for fmt in ("tensorizer", "sharded_state", "bitsandbytes"):
+        assert not identity.is_shared(weights_identity(str(model), load_format=fmt))
+
+
+def test_the_files_hashed_are_the_files_vllm_reads(tmp_path: Path) -> None:
+    # a directory with safetensors shards, a stale .bin and a .pt: "auto" and "safetensors"
+    # read the shards (a change to the .bin is not a change); "pt" reads the .pt only
+    model = model_dir(tmp_path / "m")
+    (model / "pytorch_model.bin").write_bytes(b"old bin")
+    (model / "extra.pt").write_bytes(b"a pt file")
+    auto = weights_identity(str(model))
+    assert weights_identity(str(model), load_format="safetensors") == auto
+    pt = weights_identity(str(model), load_format="pt")
+    (model / "pytorch_model.bin").write_bytes(b"new bin")
+    assert weights_identity(str(model)) == auto
+    assert weights_identity(str(model), load_format="pt") == pt
+    (model / "extra.pt").write_bytes(b"another pt")
+    assert weights_identity(str(model), load_format="pt") != pt
+    assert weights_identity(str(model)) == auto
+
+
+def test_bin_files_are_hashed_when_there_is_no_safetensors(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "pytorch_model.bin").write_bytes(b"weights")
+    before = weights_identity(str(model))
+    (model / "pytorch_model.bin").write_bytes(b"weighTs")
+    assert weights_identity(str(model)) != before
+
+
+def test_a_safetensors_index_filters_the_shards_as_vllm_does(tmp_path: Path) -> None:
+    # Mistral-style: shards named by the index, and a consolidated file vLLM ignores under
+    # "hf" (auto picks "mistral" when consolidated*.safetensors exists: then only it counts)
+    model = model_dir(tmp_path / "m")
+    shards = sorted(p.name for p in model.glob("*.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {V_PROJ: shards[0], "x": shards[1]}}))
+    (model / "unused.safetensors").write_bytes(b"not in the index")
+    hf = weights_identity(str(model), load_format="safetensors")
+    (model / "unused.safetensors").write_bytes(b"changed, still not in the index")
+    assert weights_identity(str(model), load_format="safetensors") == hf
+    (model / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="which vLLM filters the weight files by"):
+        weights_identity(str(model), load_format="safetensors")
+
+
+def test_the_config_vllm_computes_with_leaves_out_where_it_was_read() -> None:
+    a = json.dumps({"_name_or_path": "/mnt/a/model", "hidden_size": 8,
+                    "transformers_version": "4.57.0", "text_config": {"_name_or_path": "/x"}})
+    b = json.dumps({"_name_or_path": "/srv/b/copy", "hidden_size": 8,
+                    "transformers_version": "4.58.1", "text_config": {"_name_or_path": "/y"}})
+    assert identity.config_identity(a) == identity.config_identity(b)
+    c = json.dumps({"_name_or_path": "/mnt/a/model", "hidden_size": 9})
+    assert identity.config_identity(a) != identity.config_identity(c)
 
 
 # -- LoRA adapters ------------------------------------------------------------------------

@@ -214,3 +214,34 @@ def test_a_finished_requests_window_at_its_final_boundary_is_stored_before_vllm_
     assert s.matched_tokens("b", follow, "", 0, len(follow)) == 32
     # nothing new to store for a request that ends at its prompt's boundary
     assert not s.finish_windows("b", [[0] * 10], 24)
+
+
+def test_after_a_reset_nothing_cached_before_is_restored_and_live_requests_store_nothing(
+        ) -> None:
+    # a is stored on host; b is alive (matched, admitted) when vLLM resets its cache; after
+    # the reset a's blocks are gone from host, b neither loads nor stores, and c (a's prompt
+    # again) is computed, stored under the new identity, and restored for d
+    from kvtier.integrations.vllm.epochs import ChainIdentity
+
+    chain = ChainIdentity(FP)
+    cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
+    host, ids = HostTier(8), job_ids()
+    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
+                          BelowHost(host, [], 1000, ids), ids)
+    s = SchedulerSide(manager, BS, chain.seed)
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
+    serve(s, "a", prompt)
+    assert s.matched_tokens("b", prompt, "", 0) == 12
+    s.allocated("b", [[5, 6, 7, 8]], 0)  # vLLM took no external tokens
+    chain.reset()
+    assert s.reset() == 3 and host.stats.used == 0
+    assert s.step([Scheduled("b", [[5, 6, 7, 8]], 13)]) == []  # b's KV may be the old weights'
+    assert s.matched_tokens("b", prompt, "", 0) == 0  # asked again (preempted): still nothing
+    s.finished("b")
+    assert s.matched_tokens("c", prompt, "", 0) == 0  # a's blocks are never found again
+    s.allocated("c", [[1, 2, 3, 4]], 0)
+    finish_jobs(s, s.step([Scheduled("c", [[1, 2, 3, 4]], 13)]))
+    s.finished("c")
+    assert s.matched_tokens("d", prompt, "", 0) == 12  # stored under the new identity
+    stats = s.take_stats()
+    assert stats["cache_resets"] == 1 and stats["reset_dropped_host_blocks"] == 3

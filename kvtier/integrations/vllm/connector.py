@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.integrations.vllm.deployment_plan import announce, deployment_plan
+from kvtier.integrations.vllm.epochs import ChainIdentity
 from kvtier.integrations.vllm.events import UNPUBLISHED, KVEvents
 from kvtier.integrations.vllm.hook_clock import HookClock, timed
 from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity
@@ -107,6 +108,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._blocks: dict[str, list[list[int]]] = {}  # per KV cache group
         self._adapters = AdapterMemo()  # this scheduler's view of the LoRA adapters it serves
         self.events: KVEvents | None = None  # only when vLLM publishes KV events
+        # what block keys are chained from: moved to a new identity by each cache reset
+        self.identity = ChainIdentity(plan.fingerprint, self.settings.model_identity_file)
         if scheduler:
             announce(plan, self.config)
             self.events = kv_events(vllm_config, kv_cache_config, self._requests.get,
@@ -115,7 +118,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                              prior(), plan.namespace, plan.expected.coded_shape,
                                              residency=self.events is not None)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
-                                           plan.fingerprint.namespace, plan.world_size,
+                                           self.identity.seed, plan.world_size,
                                            plan.windows, self.events or UNPUBLISHED)
         else:
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
@@ -201,6 +204,19 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.settings.enable_residency_details:
             params = {}  # where another tenant's prefix lived is nobody else's business
         return hold, params or None
+
+    def reset_cache(self) -> bool:
+        """vLLM forgot its prefix cache (`reset_prefix_cache(reset_connector=True)`, a pause or
+        sleep that clears caches: what a weight update must be followed by). The weights may
+        have changed in place, so nothing cached before is served again and nothing computed
+        after is stored under the old identity (`epochs.py`)."""
+        if self.scheduler is None:
+            return True  # vLLM resets the scheduler's connector; a worker keeps no index
+        self.identity.reset()
+        self.scheduler.reset()
+        if self.events is not None:
+            self.events.reset()
+        return True
 
     @timed()
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -13,8 +13,9 @@ import torch
 import vllm
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.epochs import read_identity_file
 from kvtier.integrations.vllm.groups import Window, servable_groups
-from kvtier.integrations.vllm.identity import weights_identity
+from kvtier.integrations.vllm.identity import config_identity, weights_identity
 from kvtier.integrations.vllm.parallel import Split
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.vllm.worker_side import ExpectedLayout
@@ -69,6 +70,20 @@ def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
     capability = platform.get_device_capability()
     sm = "unknown" if capability is None else f"{capability.major}{capability.minor}"
     return f"cuda-sm{sm}-{getattr(chosen, 'name', chosen) or 'auto'}"
+
+
+def _computes_with(vllm_config: VllmConfig) -> str:
+    """What vLLM computes KV with beyond the weights: the model's configuration (without
+    the fields naming where it was read from: the same bytes at another path share), the
+    compute dtype, on-the-fly quantization, the model's implementation and how its kernels
+    are compiled."""
+    model = vllm_config.model_config
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(getattr(compilation, "mode", None), "name", None)
+    return "|".join((config_identity(model.hf_config.to_json_string(use_diff=False)),
+                     f"dtype={model.dtype}", f"quantization={model.quantization}",
+                     f"model_impl={getattr(model, 'model_impl', None)}",
+                     f"enforce_eager={model.enforce_eager}", f"compile={mode}"))
 
 
 def announce(plan: DeploymentPlan, config: TierConfig) -> None:
@@ -129,10 +144,13 @@ def deployment_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     backend = f"vllm-{vllm.__version__}-{_kernels(vllm_config, platform)}-per-layer-HBNC"
     if len(served) > 1 or served[0].window is not None:  # how each group keeps its blocks
         backend += "-" + "|".join(g.describe for g in served)
+    pinned = own.model_identity
+    if own.model_identity_file is not None:
+        pinned = read_identity_file(own.model_identity_file)
     fingerprint = Fingerprint(
-        weights_digest=weights_identity(model.model, model.revision,
-                                        pinned=own.model_identity),
-        architecture=model.hf_config.to_json_string(use_diff=False),
+        weights_digest=weights_identity(model.model, model.revision, pinned=pinned,
+                                        load_format=vllm_config.load_config.load_format),
+        architecture=_computes_with(vllm_config),
         kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}",
         block_size=block_size,
         tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV

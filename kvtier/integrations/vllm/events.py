@@ -7,6 +7,9 @@ write does (STORAGE), `BlockRemoved` when that tier evicts or removes it.
   fetching(request, blocks, keys)   a fetch below host may bring these blocks up to host
   settled(request)                  the request was admitted or left: its fetch is over
   take(changes) -> [event]          the tier's residency changes as vLLM's events, in order
+  reset()                           the cache was reset: the next `take` starts with vLLM's
+                                    `AllBlocksCleared` (as vLLM's own block pool sends on a
+                                    reset), and nothing published before is withdrawn again
 The tier knows a block by kvtier's key; vLLM's routers by vLLM's block hash. So each block's
 identity as vLLM publishes it (a `BlockOrigin`: its hash, its parent's, its tokens, LoRA, extra
 keys, KV cache group) is captured from the live request when kvtier takes the block, since the
@@ -98,14 +101,18 @@ class KVEvents:
     """Residency changes -> vLLM KV events, with the origins kept between the two."""
 
     def __init__(self, origin_of: OriginOf, block_size: int, media: Mapping[Medium, str],
-                 stored: Callable[..., Any], removed: Callable[..., Any]) -> None:
+                 stored: Callable[..., Any], removed: Callable[..., Any],
+                 cleared: Callable[[], Any] | None = None) -> None:
         """`media`: the tiers published, by the medium name vLLM's events carry (host "CPU",
-        disk "STORAGE"); `stored`, `removed`: vLLM's `BlockStored` and `BlockRemoved`."""
+        disk "STORAGE"); `stored`, `removed`, `cleared`: vLLM's `BlockStored`, `BlockRemoved`
+        and `AllBlocksCleared`."""
         self._origin_of = origin_of
         self.block_size = block_size
         self._media = dict(media)
         self._stored = stored
         self._removed = removed
+        self._cleared = cleared
+        self._reset = False  # a reset since the last take
         self._blocks: dict[BlockKey, _Block] = {}
         self._fetches: dict[str, list[BlockKey]] = {}  # request -> keys its fetch counts on
 
@@ -152,12 +159,22 @@ class KVEvents:
             entry = self._blocks[key] = _Block(origin)
         return entry
 
+    def reset(self) -> None:
+        """Every block published so far is gone for routers (the keys they were stored under
+        are never asked for again): one `AllBlocksCleared`, and no origin kept."""
+        self._blocks.clear()
+        self._fetches.clear()
+        self._reset = self._cleared is not None
+
     # -- what the tier did ------------------------------------------------------------------
 
     def take(self, changes: Sequence[ResidencyChange]) -> list[Any]:
         """vLLM's events for `changes`; a chain of blocks stored together is one event, as
         vLLM sends its own."""
         runs: list[tuple[ChangeKind, str, list[BlockOrigin]]] = []
+        cleared = []
+        if self._reset and self._cleared is not None:
+            cleared, self._reset = [self._cleared()], False
         for change in changes:
             entry = self._blocks.get(change.key)
             if entry is None:
@@ -168,7 +185,7 @@ class KVEvents:
             if name is not None and self._published(entry, change):
                 _add(runs, change.kind, name, entry.origin)
             self._forget_unused(change.key, entry)
-        return [self._event(kind, name, run) for kind, name, run in runs]
+        return cleared + [self._event(kind, name, run) for kind, name, run in runs]
 
     def _published(self, entry: _Block, change: ResidencyChange) -> bool:
         """Apply `change` to where `entry` is published; whether that is news."""

@@ -1,16 +1,26 @@
 """What a vLLM engine's KV bytes depend on, folded into kvtier's fingerprint (fail closed).
 
-Primitives: `weights_identity(model, revision, pinned)` for the base model, computed once at
-start; `adapter_identity(lora_request)` for a request's LoRA adapter, on every request.
+Primitives: `weights_identity(model, revision, pinned, load_format)` for the base model,
+computed once at start; `config_identity(hf_config_json, model, ...)` for the configuration
+vLLM computes with; `unshared_identity(why)` for weights kvtier cannot know;
+`adapter_identity(lora_request)` for a request's LoRA adapter, on every request.
 
-The model's identity is config.json's bytes plus, for every `*.safetensors` file sorted by
-name, its name and a digest of all its bytes (`kvtier.model.digest`: xxh3-128, cached per
-file version, so only the first start after a change reads the weights). Any changed byte
-changes it; the path is not part of it (a copy of a model is the same model, and two nodes
-sharing Redis agree). A hub name that is not a local directory identifies as
-`model@<40-hex commit>` or not at all. A pin (`pinned`, the connector's `model_identity`
-knob, e.g. a model registry's version) replaces all of this without reading a byte: that the
-pin changes whenever the weights do is then the operator's responsibility, not kvtier's.
+The model's identity is config.json's bytes plus, for every weight file vLLM's loader reads
+under the engine's `load_format` (the same file patterns, first match wins, a safetensors
+index filtering the shards as vLLM's does), sorted by name, its name and a digest of all its
+bytes (`kvtier.model.digest`: xxh3-128, cached per file version, so only the first start after
+a change reads the weights). Any changed byte changes it; the path is not part of it (a copy of
+a model is the same model, and two nodes sharing Redis agree). A hub name that is not a local
+directory identifies as `model@<40-hex commit>` or not at all. A pin (`pinned`, the
+connector's `model_identity` knob, e.g. a model registry's version) replaces all of this
+without reading a byte: that the pin changes whenever the weights do is then the operator's
+responsibility, not kvtier's.
+
+Weights kvtier cannot know get an identity of their own that nothing else shares and no later
+process reuses (`unshared:<random>`): `load_format="dummy"` (random weights: benchmarks,
+profiling), a load format whose files kvtier does not read, and the weights after a cache
+reset (a reload in place, `epochs.py`). A pin never overrides that: a dummy load is not the
+pinned model.
 
 An adapter's identity is a digest of its directory's adapter_config.json and weight files,
 through the same cache, memoised in-process by their stat stamps (a request costs a few
@@ -21,8 +31,10 @@ has no identity: its requests are neither looked up nor stored.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,13 +51,47 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = (".safetensors", ".bin", ".pt")  # what vLLM's LoRA loader reads
 MEMO_ENTRIES = 4096
 CHANGED = "changed-while-served"  # never a hex digest
+UNSHARED = "unshared:"  # an identity no other process has, nor any later one
+# vLLM's default loader, per load_format: the file patterns tried in order (the first that
+# matches any file wins) and the safetensors index that filters the shards, if any
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+LOADED_FILES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "hf": (("*.safetensors", "*.bin", "*.pt"), _SAFETENSORS_INDEX),
+    "safetensors": (("*.safetensors",), _SAFETENSORS_INDEX),
+    "fastsafetensors": (("*.safetensors",), _SAFETENSORS_INDEX),
+    "instanttensor": (("*.safetensors",), _SAFETENSORS_INDEX),
+    "mistral": (("consolidated*.safetensors",), "consolidated.safetensors.index.json"),
+    "pt": (("*.pt",), None),
+    "npcache": (("*.bin", "*.pt"), None),
+}
+# keys of the HF config that name where the model was read from or what wrote it: vLLM
+# computes nothing with them, so the same bytes at another path share
+PATH_FIELDS = frozenset({"_name_or_path", "name_or_path", "transformers_version",
+                         "_commit_hash"})
 
 Stamps = tuple[tuple[str, int, int, int, int, int], ...]  # (name, size, mtime, ctime, ino, dev)
 
 
-def weights_identity(model: str, revision: str | None = None, pinned: str | None = None) -> str:
+def unshared_identity(why: str) -> str:
+    """An identity of this process alone: its blocks are never found by another process or
+    after a restart (`why` is logged, and kept readable in the identity)."""
+    return f"{UNSHARED}{why}:{secrets.token_hex(16)}"
+
+
+def is_shared(identity: str) -> bool:
+    return not identity.startswith(UNSHARED)
+
+
+def weights_identity(model: str, revision: str | None = None, pinned: str | None = None,
+                     load_format: str = "auto") -> str:
     """Identity of the weights vLLM serves (see module doc); ConfigError when kvtier cannot
     tell which weights they are."""
+    fmt = str(getattr(load_format, "value", load_format)).lower()
+    if fmt == "dummy":
+        log.warning("kvtier: load_format=dummy: vLLM serves random weights, so kvtier caches "
+                    "their KV under an identity of this process alone (never shared through "
+                    "disk or Redis, never found after a restart)")
+        return unshared_identity("load_format=dummy")
     if pinned is not None:
         if not pinned.strip():
             raise ConfigError("model_identity is empty; give the version your model registry "
@@ -58,10 +104,15 @@ def weights_identity(model: str, revision: str | None = None, pinned: str | None
         raise ConfigError(
             f"kvtier cannot tell which weights {model!r} holds (not a local directory, and no "
             "commit revision pinned): serve a local model directory, or pass --revision <sha>")
-    files = sorted(path.glob("*.safetensors"))
+    files = loaded_files(path, fmt)
+    if files is None:
+        log.warning("kvtier: load_format=%s reads files kvtier does not identify: their KV is "
+                    "cached under an identity of this process alone (pin model_identity to "
+                    "share it)", fmt)
+        return unshared_identity(f"load_format={fmt}")
     if not files:
-        raise ConfigError(f"{path} has no *.safetensors files for kvtier to identify the weights "
-                          "by; kvtier's connector supports safetensors checkpoints")
+        raise ConfigError(f"{path} has no weight files that vLLM's load_format={fmt} reads "
+                          "for kvtier to identify the weights by")
     began = time.perf_counter()
     h = xxhash.xxh3_128()
     config = path / "config.json"
@@ -77,6 +128,45 @@ def weights_identity(model: str, revision: str | None = None, pinned: str | None
              "file digest(s) from the cache", path, len(files), size / 1e9,
              time.perf_counter() - began, cached, len(files))
     return h.hexdigest()
+
+
+def loaded_files(path: Path, load_format: str) -> list[Path] | None:
+    """The weight files vLLM's default loader reads from `path` under `load_format`, sorted;
+    None for a format kvtier does not follow (tensorizer, sharded_state, gguf, ...)."""
+    fmt = load_format
+    if fmt == "auto":
+        fmt = "mistral" if any(path.glob("consolidated*.safetensors")) else "hf"
+    if fmt not in LOADED_FILES:
+        return None
+    patterns, index = LOADED_FILES[fmt]
+    files: list[Path] = []
+    for pattern in patterns:
+        files = sorted(p for p in path.glob(pattern) if p.is_file())
+        if files:
+            break
+    if files and files[0].suffix == ".safetensors" and index and (path / index).is_file():
+        try:
+            named = set(json.loads((path / index).read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"kvtier cannot read {path / index} (which vLLM filters the "
+                              f"weight files by): {e}") from e
+        files = [f for f in files if f.name in named]
+    return files
+
+
+def config_identity(hf_config_json: str) -> str:
+    """The model's configuration as vLLM computes with it, without the fields that say where
+    it was read from (`PATH_FIELDS`): key-sorted JSON."""
+    config = json.loads(hf_config_json)
+    return json.dumps(_without_paths(config), sort_keys=True, separators=(",", ":"))
+
+
+def _without_paths(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_paths(v) for k, v in value.items() if k not in PATH_FIELDS}
+    if isinstance(value, list):
+        return [_without_paths(v) for v in value]
+    return value
 
 
 class AdapterMemo:

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
@@ -85,4 +91,4 @@ def kv_events(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                get_kv_cache_spec_sliding_window(g.kv_cache_spec))
               for g in kv_cache_config.kv_cache_groups]
     return KVEvents(RequestOrigins(live, block_size, hash_block_size, groups), block_size,
-                    PUBLISHED, BlockStored, BlockRemoved)
+                    PUBLISHED, BlockStored, BlockRemoved, AllBlocksCleared)

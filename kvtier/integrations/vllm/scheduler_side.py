@@ -11,6 +11,12 @@ its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierMa
   apply(results)                                   the worker's results (slots unpinned)
   finished(request)                                -> what the caller is told
   take_stats()                                     -> counters since the last call
+  reset()                                          vLLM forgot its prefix cache (weights may
+                                                   have changed): the host tier's blocks are
+                                                   dropped, and every request alive now is
+                                                   neither restored nor stored again (its KV
+                                                   may be the old weights'); keys of new
+                                                   requests come from the new seed
   busy                                             jobs decided or running (vLLM keeps
                                                    stepping until the writes below host land)
 A prefix below host (disk, Redis) is fetched into host slots and verified before any token
@@ -87,6 +93,7 @@ class _Request:
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
     restored: int = 0  # tokens vLLM skipped computing because a load of ours landed
+    stale: bool = False  # alive at a cache reset: its KV may be the old weights'
     timeline: WakeTimeline = field(default_factory=WakeTimeline.start)  # from the first ask
 
 
@@ -124,7 +131,7 @@ class SchedulerSide:
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
         st.match, st.local_blocks, st.looked_up, st.offered, st.need = NO_MATCH, d, 0, 0, []
-        if last <= d:
+        if last <= d or st.stale:
             return 0
         self._keys(st, last)
         end = last if self._partial_ok else self._whole_end(st, d, last)
@@ -239,7 +246,7 @@ class SchedulerSide:
         decode, so a follow-up that carries the output hits there too): stored in the next
         step, so vLLM must keep them until then (True; `take_sending` names the request)."""
         st = self.requests.get(request_id)
-        if st is None or self._partial_ok:
+        if st is None or st.stale or self._partial_ok:
             return False
         bs = self.block_size
         end = min(computed, len(st.tokens)) // bs
@@ -287,7 +294,7 @@ class SchedulerSide:
         bs = self.block_size
         for s in scheduled:
             st = self.requests.get(s.request_id)
-            if st is None:
+            if st is None or st.stale:
                 continue
             allocated = min(len(ids) for ids in s.block_ids)
             full = min(s.computed_after, len(st.tokens), allocated * bs) // bs
@@ -326,6 +333,17 @@ class SchedulerSide:
                         self._counts[f"restored_blocks|{self._group_label(g)}"] += n
                 elif st is not None:
                     st.restored -= tokens
+
+    def reset(self) -> int:
+        """vLLM reset its prefix cache (see the module doc); how many host blocks were
+        dropped (those a job in flight pins stay until it lands, and are never asked for)."""
+        for st in self.requests.values():
+            st.stale = True
+            st.match, st.need, st.offered = NO_MATCH, [], 0
+        dropped = self.manager.reset()
+        self._counts["cache_resets"] += 1
+        self._counts["reset_dropped_host_blocks"] += dropped
+        return dropped
 
     def take_stats(self) -> dict[str, float]:
         """What happened since the last call (vLLM sums the reports), keyed as `counters.py`

@@ -55,6 +55,10 @@ class ConnectorSettings:
     # used instead of hashing them: serving KV across a changed model is then theirs to rule
     # out. None: kvtier hashes every weight byte (cached by file identity).
     model_identity: str | None = None
+    # A file holding that identity (one line), read at start and again at every cache reset:
+    # the version a weight sync just loaded (RL). A reset that finds no new version in it
+    # caches under an identity of this process alone. Exclusive with model_identity.
+    model_identity_file: str | None = None
     # Tell the client where its prefix lived (kvtier_residency, kvtier_restored_tokens in
     # the response's kv_transfer_params). Off by default, as vLLM's
     # --enable-prompt-tokens-details: it tells a client whether someone else sent the same
@@ -66,6 +70,9 @@ class ConnectorSettings:
         check_types(self)
         if self.model_identity is not None and not self.model_identity.strip():
             raise ConfigError("model_identity='' names nothing; unset it to hash the weights")
+        if self.model_identity is not None and self.model_identity_file is not None:
+            raise ConfigError("model_identity and model_identity_file both name the weights; "
+                              "keep one")
 
 
 def settings(extra: Mapping[str, Any] | None) -> tuple[TierConfig, ConnectorSettings]:

@@ -28,6 +28,10 @@ COUNTERS = {
     "stored_bytes": "Bytes stored device -> host",
     "failed_stores": "Device -> host stores that failed (never served)",
     "store_refused": "Stores the host tier had no room for",
+    "cache_resets": "Resets of the KV cache (vLLM's reset_prefix_cache with reset_connector, "
+                    "a pause or sleep that clears caches): each moves block keys to a new "
+                    "weights identity",
+    "reset_dropped_host_blocks": "Host blocks dropped by cache resets",
     "step_seconds": "Seconds of engine steps, from the first connector hook of vLLM's "
                     "schedule() to its update (what kvtier's hook seconds are a share of)",
 }
