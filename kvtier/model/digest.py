@@ -15,10 +15,21 @@ this machine's disk, and a cached one 0.3 ms whatever the size.
 The cache is one small JSON file (`$KVTIER_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtier`, else
 `~/.cache/kvtier`), keyed by the resolved path and the file's (size, mtime_ns, ctime_ns,
 inode, device): a rewrite in place that restores the mtime still moves the ctime, which no one
-can set back. A file changed less than RACY_NS before its hash began is hashed but not cached
-(a later change in the same timestamp tick could leave its stamp unmoved: git's racy-clean
-problem). The cache is replaced atomically (temp file + os.replace), so processes hashing at
-once never leave half of one; a corrupt, unreadable or unwritable cache is ignored (debug log).
+can set back. What the stamp cannot see, and what is done about it:
+- A writer through a shared mmap moves the mtime only when it dirties a clean page: a second
+  write to a page still dirty moves nothing. So the file is synced (fsync) before it is
+  stamped: its pages are clean and write-protected, and any later write faults and moves the
+  stamp (a change while it is hashed then fails the before/after comparison).
+- A file changed within the kernel's dirty-writeback window (vm.dirty_expire_centisecs +
+  vm.dirty_writeback_centisecs, 35 s by default; at least 2 s, and for ever when periodic
+  writeback is off) before its hash began is hashed but not cached: a writer may still hold
+  dirty pages that the sync could not reach (another host), and a later change in the same
+  timestamp tick could leave the stamp unmoved (git's racy-clean problem).
+- Not covered: a network filesystem whose attribute cache serves another client's old stamp
+  (NFS's acregmax, 60 s by default), and a writer on another host through a shared mmap.
+  Pin the identity (the connector's model_identity) where weights change that way.
+The cache is replaced atomically (temp file + os.replace), so processes hashing at once never
+leave half of one; a corrupt, unreadable or unwritable cache is ignored (debug log).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -40,7 +52,9 @@ import xxhash
 log = logging.getLogger(__name__)
 
 CHUNK = 16 << 20  # one reused read buffer: large reads, no per-chunk allocation
-RACY_NS = 2_000_000_000  # covers coarse kernel clocks and 1-2 s filesystem timestamps
+MIN_RACY_NS = 2_000_000_000  # covers coarse kernel clocks and 1-2 s filesystem timestamps
+DEFAULT_WRITEBACK_NS = 35_000_000_000  # the kernel's defaults, where /proc cannot be read
+RACY_NS: int | None = None  # None: the kernel's dirty-writeback window (tests set 0)
 MAX_ENTRIES = 256  # the oldest entries leave first: the file stays small
 CACHE_NAME = "digests.json"
 FORMAT = "kvtier-file-digests/1 xxh3-128"
@@ -73,6 +87,8 @@ def file_digest(path: str | Path) -> FileDigest:
     key = str(resolved)
     cache = cache_path()
     with open(resolved, "rb", buffering=0) as f:  # unbuffered: readinto lands in our buffer
+        with contextlib.suppress(OSError):  # a read-only or special filesystem: nothing dirty
+            os.fsync(f.fileno())  # clean pages: a later mmap write moves the stamp
         before = stamp(os.fstat(f.fileno()))
         if (hit := _lookup(cache, key, before)) is not None:
             return FileDigest(hit, cached=True)
@@ -98,8 +114,23 @@ def stamp(st: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def racy(file_stamp: tuple[int, ...], now_ns: int) -> bool:
-    """Changed less than RACY_NS before `now_ns`: a change to come may not move the stamp."""
-    return now_ns - max(file_stamp[1], file_stamp[2]) < RACY_NS
+    """Changed within the racy window before `now_ns`: a change to come (or one still in a
+    writer's dirty pages) may not move the stamp."""
+    window = racy_window_ns() if RACY_NS is None else RACY_NS
+    return now_ns - max(file_stamp[1], file_stamp[2]) < window
+
+
+def racy_window_ns() -> float:
+    """The kernel's dirty-writeback window (see the module doc), at least MIN_RACY_NS;
+    infinite when periodic writeback is off (dirty pages may stay dirty for ever)."""
+    try:
+        expire = int(Path("/proc/sys/vm/dirty_expire_centisecs").read_text())
+        period = int(Path("/proc/sys/vm/dirty_writeback_centisecs").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_WRITEBACK_NS
+    if period <= 0:
+        return math.inf
+    return max(MIN_RACY_NS, (expire + period) * 10_000_000)
 
 
 def _hash(f: BinaryIO, chunk: int = CHUNK) -> str:

@@ -82,6 +82,23 @@ def test_one_byte_changed_in_place_with_the_mtime_restored_changes_the_identity(
     assert weights_identity(str(model)) != before
 
 
+def test_a_shard_rewritten_twice_through_a_shared_mmap_changes_the_identity(
+        tmp_path: Path) -> None:
+    # the second write lands on a page the first left dirty: no stamp moves by itself
+    import mmap
+    import time
+
+    model = model_dir(tmp_path / "m")
+    shard = model / "model-00001-of-00002.safetensors"
+    with shard.open("r+b") as out, mmap.mmap(out.fileno(), 0) as mapped:
+        end = len(mapped) - 1
+        mapped[end] ^= 1
+        first = weights_identity(str(model))
+        time.sleep(0.05)
+        mapped[end - 1] ^= 1
+        assert weights_identity(str(model)) != first
+
+
 def test_a_copy_elsewhere_is_the_same_model(tmp_path: Path) -> None:
     model = model_dir(tmp_path / "m")
     copy = Path(shutil.copytree(model, tmp_path / "elsewhere" / "other-name"))

@@ -153,3 +153,35 @@ def test_the_cache_keeps_only_the_newest_entries(tmp_path: Path, cache_dir: Path
         digest.file_digest(f)
     kept = json.loads((cache_dir / digest.CACHE_NAME).read_text())["files"]
     assert list(kept) == [str(f.resolve()) for f in files[1:]]
+
+
+def test_a_second_write_through_a_shared_mmap_is_seen(tmp_path: Path, cache_dir: Path,
+                                                      settled: None) -> None:
+    # A writer maps the file shared and writes a page (the mtime moves: the page was clean);
+    # the digest is taken and cached; the writer writes the same page again. Unsynced, that
+    # page was still dirty and the stamp would not move: the cache would answer the first
+    # bytes. The digest syncs the file before stamping it, so the second write faults and
+    # moves the stamp.
+    import mmap
+    import time
+
+    f = weights(tmp_path / "model.safetensors", 1 << 16)
+    with f.open("r+b") as out, mmap.mmap(out.fileno(), 0) as mapped:
+        mapped[100] = 1
+        first = digest.file_digest(f)
+        time.sleep(0.05)  # past a coarse clock tick
+        mapped[101] = 2  # the same page
+        second = digest.file_digest(f)
+    assert not second.cached and second.hex != first.hex
+
+
+def test_the_racy_window_is_the_kernels_writeback_window(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    # default: 30 s to expire + 5 s between flusher runs; a file 10 s old is still racy
+    window = digest.racy_window_ns()
+    assert window >= digest.MIN_RACY_NS
+    now = 100 * 10**9
+    assert digest.racy((0, now - 10**9, now - 10**9), now) == (window > 10**9)
+    assert not digest.racy((0, 0, 0), now + int(min(window, 10**12)))
+    monkeypatch.setattr(digest, "RACY_NS", 0)
+    assert not digest.racy((0, now - 1, now - 1), now)
