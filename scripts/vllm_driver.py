@@ -20,7 +20,10 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               "load_format": "auto" (vLLM's; "dummy": random weights),
               "reload_before": {"i": DIR} (before prompt i: vLLM reloads its weights in place
               from DIR, as an RL weight sync does; then, with "reset": true, resets its prefix
-              cache and the connector's: the result's "resets" says what each reset returned)}
+              cache and the connector's: the result's "resets" says what each reset returned),
+              "abort_wakes": [i, ...] (prompt i is added, stepped until kvtier has started
+              its fetch below host, then aborted; with VLLM_ENABLE_V1_MULTIPROCESSING=0 the
+              result's "pinned" says what kvtier's host tier still pins at the end)}
 Metrics with labels beyond vLLM's own are keyed name{label=value,...}.
 float32 by default: bfloat16 is fast on vLLM CPU only with AVX-512 BF16 or AMX, which a
 2-core cloud VM may lack (this one has AVX2 only: a 1000-token bf16 prefill took 13 s).
@@ -33,6 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 MARK = "KVTIER_RESULT "  # vLLM logs to stdout too: the result is the line with this mark
 
@@ -82,6 +86,52 @@ def drop_page_cache(directory: str, settle_s: float = 1.5) -> None:
 
     time.sleep(settle_s)
     drop_cache([path for path in Path(directory).rglob("*") if path.is_file()])
+
+
+def _connector(llm: Any) -> Any:
+    """The scheduler's connector, where the engine core runs in this process (else None)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return None if core is None else core.scheduler.connector
+
+
+def abort_wake(llm: Any, request_id: str, ids: list[int], params: Any) -> dict[str, Any]:
+    """Add a request beside one that keeps decoding (so no step waits for fetches: the
+    fetch's result comes back steps later), step until kvtier has started its fetch below
+    host (or 3 steps), then abort it, as a client that gives up on a slow wake does."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    busy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request(request_id + "-busy", TokensPrompt(prompt_token_ids=[7] * 16), busy)
+    engine.step()  # the busy request is running
+    engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+    connector = _connector(llm)
+    for _ in range(3):
+        engine.step()
+        if connector is not None and connector.tier.manager.below.jobs:
+            break
+    fetching = connector is not None and bool(connector.tier.manager.below.jobs)
+    engine.abort_request([request_id])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"aborted": True, "fetch_in_flight": fetching}
+
+
+def host_pins(llm: Any) -> dict[str, Any] | None:
+    """What kvtier's host tier pins once every job has landed (None: the engine core runs in
+    another process)."""
+    connector = _connector(llm)
+    if connector is None:
+        return None
+    manager = connector.tier.manager
+    for _ in range(200):  # let the fetches land and their results come back
+        if not manager.busy:
+            break
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    return {"pinned": manager.host.stats.pinned,
+            "for_requests": manager.below.pinned_for_requests, "busy": manager.busy}
 
 
 def main() -> int:
@@ -153,6 +203,9 @@ def main() -> int:
             ids = sent[i] + out[i].get("tokens", []) + entry.get("extra", [])
         sent.append(ids)
         t = time.perf_counter()
+        if n in set(spec.get("abort_wakes", [])):
+            out.append(abort_wake(llm, f"abort-{n}", ids, params))
+            continue
         prompt = TokensPrompt(prompt_token_ids=ids)
         if salt is not None:
             prompt["cache_salt"] = salt
@@ -186,9 +239,10 @@ def main() -> int:
                 name = sample.name.removesuffix("_total")
                 metrics[name + (f"{{{extra}}}" if extra else "")] = sample.value
     kv_events = listener.drain() if listener is not None else []
+    pinned = host_pins(llm) if spec.get("abort_wakes") else None
     print(MARK + json.dumps({"started_s": started, "results": out, "concurrent": together,
                              "metrics": metrics, "kv_events": kv_events,
-                             "resets": resets}), flush=True)
+                             "resets": resets, "pinned": pinned}), flush=True)
     return 0
 
 

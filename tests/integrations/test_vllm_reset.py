@@ -91,3 +91,26 @@ def test_the_same_model_at_two_paths_shares(
     assert other["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
     assert other["kv_transfer_params"]["kvtier_residency"] == "remote"
     assert answer(other) == answer(first)
+
+
+def test_wakes_aborted_while_their_fetch_is_in_flight_leave_nothing_pinned(
+        vllm_python: Path, smollm2_hf: Path, tmp_path: Path) -> None:
+    # A first vLLM writes four 512-token prompts down to disk. A second one (an empty host)
+    # aborts a wake of each while its fetch from disk is on its way: once every fetch has
+    # landed, nothing is pinned, and the fetched blocks still serve a later request.
+    tiers = {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
+             "disk_kv_size": 0.2}
+    env = {**ONE_PROCESS, "KVTIER_CACHE_DIR": str(tmp_path / "digests")}
+    four = prompts(n_evictors=3, tokens=512)[:4]
+    first = parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": tiers, "blocks": 24, "prompts": four, "max_model_len": 1024},
+        env=env).stdout)
+    second = parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": tiers, "blocks": 24, "prompts": [*four, four[0]],
+        "abort_wakes": [0, 1, 2, 3], "max_model_len": 1024}, env=env).stdout)
+    aborted, woken = second["results"][:4], second["results"][4]
+    assert all(r["aborted"] for r in aborted)
+    assert sum(r["fetch_in_flight"] for r in aborted) >= 3  # aborted with a fetch on its way
+    assert second["pinned"] == {"pinned": 0, "for_requests": 0, "busy": False}
+    assert woken["kv_transfer_params"]["kvtier_restored_tokens"] == 3 * 128
+    assert answer(woken) == answer(first["results"][0])
