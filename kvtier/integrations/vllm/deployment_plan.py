@@ -151,7 +151,9 @@ def deployment_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         weights_digest=weights_identity(model.model, model.revision, pinned=pinned,
                                         load_format=vllm_config.load_config.load_format),
         architecture=_computes_with(vllm_config),
-        kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}",
+        # layers kept out of an 8-bit KV cache hold other bytes than the rest
+        kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}/skip="
+                 f"{getattr(cache, 'kv_cache_dtype_skip_layers', None)}",
         block_size=block_size,
         tokenizer_digest="",  # keys are over token ids: the tokenizer does not change KV
         attention_backend=backend,
