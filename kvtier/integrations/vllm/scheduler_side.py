@@ -11,12 +11,8 @@ its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierMa
   apply(results)                                   the worker's results (slots unpinned)
   finished(request)                                -> what the caller is told
   take_stats()                                     -> counters since the last call
-  reset()                                          vLLM forgot its prefix cache (weights may
-                                                   have changed): the host tier's blocks are
-                                                   dropped, and every request alive now is
-                                                   neither restored nor stored again (its KV
-                                                   may be the old weights'); keys of new
-                                                   requests come from the new seed
+  reset()                                          vLLM forgot its cache (new weights?):
+                                                   host blocks dropped, live requests stale
   busy                                             jobs decided or running (vLLM keeps
                                                    stepping until the writes below host land)
 A prefix below host (disk, Redis) is fetched into host slots and verified before any token
