@@ -173,14 +173,18 @@ def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
         counts = deep.get(key) or {}
         yield _family(CounterMetricFamily, name, doc, "tier",
                       {t: _num(counts, t) for t in DEEP_TIERS})
-    misses = CounterMetricFamily(
-        f"{PREFIX}tier_misses", "Blocks below host refused (bad checksum, tokens or "
-        "fingerprint, I/O error, unreachable store) and recomputed, by tier and reason.",
-        labels=["tier", "reason"])
-    for label, count in (deep.get("misses") or {}).items():
-        tier, _, reason = label.partition(":")
-        misses.add_metric([tier, reason], float(count))
-    yield misses
+    for name, doc, key in (
+        ("tier_misses", "Blocks below host refused (bad checksum, tokens or fingerprint, I/O "
+         "error, unreachable store, a fetch's deadline passed) and recomputed, by tier and "
+         "reason.", "misses"),
+        ("tier_write_failures_by_reason", "Blocks whose write to a deeper tier failed, by tier "
+         "and reason (timeout, unavailable, io, no-space, ...).", "write_failure_reasons"),
+    ):
+        family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["tier", "reason"])
+        for label, count in (deep.get(key) or {}).items():  # "tier:reason"
+            tier, _, reason = label.partition(":")
+            family.add_metric([tier, reason], float(count))
+        yield family
     disk = deep.get("disk") or {}
     yield _family(GaugeMetricFamily, "disk_slots", "Disk tier slots by state.", "state",
                   {"used": _num(disk, "used_slots"), "capacity": _num(disk, "capacity_slots")})

@@ -119,7 +119,8 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
         return None
     out: dict[str, Any] = {
         "written_blocks": dict(b.written_blocks), "written_bytes": dict(b.written_bytes),
-        "write_failures": dict(b.write_failures), "encoding": b.encoding or None,
+        "write_failures": dict(b.write_failures),
+        "write_failure_reasons": dict(b.write_failure_reasons), "encoding": b.encoding or None,
         "fetched_blocks": dict(b.fetched_blocks), "fetched_bytes": dict(b.fetched_bytes),
         "fetch_seconds": dict(b.fetch_seconds),
         "misses": dict(b.misses), "refused": b.refused,

@@ -8,25 +8,32 @@ nearest first), and staged through host memory, two hops each way:
         host slots (`fetch`); once they verify, the ordinary host -> device wake takes over
 A fetched block is served only if its header (fingerprint, key, token ids) and payload
 checksum verify on the I/O thread; anything else is a miss, dropped from its tier, counted
-by reason and logged once, and those tokens are recomputed. Bookkeeping only: bytes move in
-`worker/io.py` once the client submits the jobs.
+by reason and logged once, and those tokens are recomputed. Every fetch carries a deadline
+(`deadline.py`): a block that had not landed by then is a miss too (reason "deadline"), but
+kept where it lives, and the tier that was still reading is reported slow to the planner. A
+write that failed is counted per tier and reason, and logged at most once a minute per tier
+with the counts so far. Bookkeeping only: bytes move in `worker/io.py` once the client
+submits the jobs.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.tier.deadline import FETCH_DEADLINE_S, fetch_budget_s
 from kvtier.tier.index.base import SecondaryIndex
 from kvtier.tier.index.host import HostTier
-from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Result
+from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Reason, Result
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.report import BelowReport
 
 log = logging.getLogger(__name__)
 PRESENCE_WAIT_S = 1.0
+WRITE_LOG_S = 60.0  # failed writes are logged at most this often per tier (with the counts)
 
 
 @dataclass
@@ -34,6 +41,7 @@ class BelowStats:
     written: Counter[str] = field(default_factory=Counter)  # blocks, per tier
     written_bytes: Counter[str] = field(default_factory=Counter)  # as stored (encoded)
     write_failures: Counter[str] = field(default_factory=Counter)
+    write_failure_reasons: Counter[str] = field(default_factory=Counter)  # "tier:reason"
     fetched: Counter[str] = field(default_factory=Counter)
     fetched_bytes: Counter[str] = field(default_factory=Counter)
     fetch_seconds: Counter[str] = field(default_factory=Counter)  # the hop's I/O time
@@ -67,7 +75,8 @@ class BelowHost:
         self.held: dict[str, list[BlockKey]] = {}  # request -> fetched keys pinned on host
         self._outbox: list[Job] = []
         self._ids = ids
-        self._logged: set[tuple[bool, str]] = set()
+        self._logged: set[str] = set()  # "tier:reason" of the misses logged
+        self._write_logged_at: dict[Medium, float] = {}  # a tier's last write-failure line
         self.stats = BelowStats()
         for tier in self.tiers:  # found at start and refused: misses, by reason
             for reason, n in tier.unusable_at_start.items():
@@ -90,7 +99,8 @@ class BelowHost:
         s = self.stats
         return BelowReport(
             written_blocks=dict(s.written), written_bytes=dict(s.written_bytes),
-            write_failures=dict(s.write_failures), fetched_blocks=dict(s.fetched),
+            write_failures=dict(s.write_failures),
+            write_failure_reasons=dict(s.write_failure_reasons), fetched_blocks=dict(s.fetched),
             fetched_bytes=dict(s.fetched_bytes), fetch_seconds=dict(s.fetch_seconds),
             misses=dict(s.misses), refused=s.refused,
             encoding=self.encoding,
@@ -154,15 +164,18 @@ class BelowHost:
 
     # -- up -----------------------------------------------------------------------------
 
-    def hits(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]
-             ) -> list[Medium] | None:
+    def hits(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
+             skip: Collection[str] = ()) -> list[Medium] | None:
         """The tier of each leading key found below host, walking the tiers in order (each
         continues where the one before it stopped); None while a store's answer is still
-        on its way (never blocks)."""
+        on its way (never blocks). Tiers named in `skip` (medium values: the planner's slow
+        ones) are not asked: nothing is read from them anyway."""
         found: list[Medium] = []
         for tier in self.tiers:
             if len(found) == len(keys):
                 break
+            if tier.medium.value in skip:
+                continue
             n = tier.lookup(keys[len(found):], tokens[len(found):])
             if n is None:
                 return None
@@ -170,11 +183,12 @@ class BelowHost:
         return found
 
     def fetch(self, request_id: str, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
-              tiers: Sequence[Medium], predict: Callable[[int], float] | None = None) -> bool:
+              tiers: Sequence[Medium], predict: Callable[[int], float] | None = None,
+              cap_s: float = FETCH_DEADLINE_S) -> bool:
         """Bring the leading `keys` up into host slots for `request_id`, as many as the host
         can make room for (the rest is recomputed); False (nothing changed) if none fit.
         `predict(n)`: the planner's seconds for the hop of the first n blocks (scored when
-        the fetch lands whole)."""
+        the fetch lands whole, and the base of its deadline, which `cap_s` caps)."""
         n = min(len(keys), self.host.room)
         keys, tokens, tiers = keys[:n], tokens[:n], tiers[:n]
         if not keys:
@@ -191,10 +205,12 @@ class BelowHost:
             mine = [k for k, m in zip(keys, tiers) if m is tier.medium]
             if mine:
                 slots.update(zip(mine, tier.prepare_load(mine)))
+        predicted = predict(len(keys)) if predict else None
         job = Job(next(self._ids), self.deepest(tiers), Medium.HOST, tuple(prepared.slots),
                   keys=tuple(keys), tokens=tuple(tuple(t) for t in tokens), media=tuple(tiers),
-                  below_slots=tuple(slots[k] for k in keys))
-        self._add(_Pending(job, request_id, predict(len(keys)) if predict else None))
+                  below_slots=tuple(slots[k] for k in keys),
+                  budget_s=fetch_budget_s(predicted, cap_s))
+        self._add(_Pending(job, request_id, predicted))
         return True
 
     def release(self, request_id: str) -> None:
@@ -241,6 +257,8 @@ class BelowHost:
             self.stats.written[t.dst.value] += len(good)
             self.stats.written_bytes[t.dst.value] += outcome.nbytes
             self.stats.write_failures[t.dst.value] += len(bad_keys)
+            if bad_keys:
+                self._log_write_failures(t.dst)
             return None
         # A fetch serves only its leading verified run: a prefix cannot skip a block.
         n = next((i for i, ok in enumerate(outcome.ok) if not ok), len(t.keys))
@@ -256,11 +274,13 @@ class BelowHost:
         if n < len(t.keys):
             self.host.complete_store(t.keys[n:], False)
         whole_ok = all(outcome.ok)
+        late = [r == Reason.DEADLINE for r in outcome.reasons]  # slow, not bad: kept below
         for tier in self.tiers:
             mine = [i for i, m in enumerate(t.media) if m is tier.medium]
             if mine:
                 tier.complete_fetch([t.keys[i] for i in mine], sum(1 for i in mine if i < n),
-                                    [t.keys[i] for i in mine if failed[i]], whole_ok)
+                                    [t.keys[i] for i in mine if failed[i] and not late[i]],
+                                    whole_ok)
         for medium in t.media[:n]:
             self.stats.fetched[medium.value] += 1
         source = self.deepest(t.media[:n]) if n else None
@@ -268,22 +288,44 @@ class BelowHost:
             self.stats.fetched_bytes[source.value] += outcome.nbytes  # as stored
             self.stats.fetch_seconds[source.value] += outcome.seconds
         whole = n == len(t.keys)
+        # The tier still reading when the deadline passed is slow, unless the fetch spent
+        # most of its budget queued behind other I/O (then no tier is to blame).
+        slow = next((m for m, lost in zip(t.media, late) if lost), None)
+        if slow is not None and outcome.seconds < (t.budget_s or 0.0) / 2:
+            slow = None
         return FetchDone(pending.request_id, n, source, missed=len(t.keys) - n,
-                         predicted_s=pending.predicted_s if whole else None,
+                         predicted_s=pending.predicted_s if whole else None, slow=slow,
                          seconds=outcome.seconds, finished_at=outcome.finished_at)
 
     def _failed(self, tier: Medium, reason: str, writing: bool) -> None:
-        """A block not written (counted in `written`'s failures by the caller) or not
-        served (a miss, here), logged once per tier, direction and reason."""
+        """A block not written (counted by reason here; `_log_write_failures` tells) or not
+        served (a miss, here), a miss logged once per tier and reason."""
         label = f"{tier.value}:{reason}"
-        if not writing:
-            self.stats.misses[label] += 1
-        if (writing, label) not in self._logged:
-            self._logged.add((writing, label))
-            if writing:
-                log.warning("kvtier: writing a block to the %s tier failed (%s); it is not "
-                            "stored there (logged once per tier and reason)", tier, reason)
-            else:
-                log.warning("kvtier: a block fetched from the %s tier failed (%s); it is a "
-                            "miss, never served, and its tokens are recomputed (logged once "
-                            "per tier and reason)", tier, reason)
+        if writing:
+            self.stats.write_failure_reasons[label] += 1
+            return
+        self.stats.misses[label] += 1
+        if label not in self._logged:
+            self._logged.add(label)
+            log.warning("kvtier: a block fetched from the %s tier failed (%s); it is a "
+                        "miss, never served, and its tokens are recomputed (logged once "
+                        "per tier and reason)", tier, reason)
+
+    def _log_write_failures(self, tier: Medium) -> None:
+        """Writes to `tier` failed: say so with the counts so far, at most once per
+        WRITE_LOG_S per tier (a store that keeps failing is heard from again)."""
+        now = time.monotonic()
+        last = self._write_logged_at.get(tier)
+        if last is not None and now - last < WRITE_LOG_S:
+            return
+        self._write_logged_at[tier] = now
+        prefix = f"{tier.value}:"
+        counts = {label[len(prefix):]: n for label, n in self.stats.write_failure_reasons.items()
+                  if label.startswith(prefix)}
+        hint = ("; a store that times out may be starved of CPU: raise remote_write_timeout_s"
+                if Reason.TIMEOUT.value in counts else "")
+        log.warning("kvtier: %d block(s) failed to be written to the %s tier so far (%s); they "
+                    "are not stored there and a later wake recomputes them%s (logged at most "
+                    "every %gs per tier)", self.stats.write_failures[tier.value], tier,
+                    ", ".join(f"{r}: {n}" for r, n in sorted(counts.items())), hint,
+                    WRITE_LOG_S)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.tier.deadline import FETCH_DEADLINE_S
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
 from kvtier.tier.redis_url import is_cluster_url, validate_url
 
@@ -17,6 +18,7 @@ KV_OFFLOAD_DTYPES = ("int8", "fp8")
 MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
 SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
 GIB = 1024**3
+REMOTE_WRITE_TIMEOUT_S = 2.0  # `remote_write_timeout_s`'s default
 
 
 def host_slot_count(size_gib: float, slot_bytes: int) -> int:
@@ -68,6 +70,8 @@ BOUNDS: dict[str, Bounds] = {
     "disk_kv_max_gbps": _RATE,
     "disk_kv_read_gbps": _RATE,
     "remote_kv_read_gbps": _RATE,
+    "fetch_deadline_s": (0.0, 3600.0),
+    "remote_write_timeout_s": (0.0, 600.0),
 }
 
 
@@ -111,6 +115,15 @@ class TierConfig:
     # (a few blocks, cold). Either way it is refined from every fetch.
     disk_kv_read_gbps: float | None = None
     remote_kv_read_gbps: float | None = None
+    # The longest a wake waits on disk or Redis (seconds): a fetch gets 4x its predicted time
+    # (at least 0.5 s) up to this cap, and what has not landed by then is recomputed (a miss,
+    # reason "deadline"), and the planner recomputes from that tier until it recovers.
+    fetch_deadline_s: float = FETCH_DEADLINE_S
+    # Seconds a write to the remote tier may wait for the store (each batch of up to 16 MB):
+    # longer than a read's, so a store starved of CPU (a loopback Redis beside tensor-parallel
+    # workers on a small machine) still keeps up. A write that times out is counted
+    # (write failures, reason "timeout") and logged.
+    remote_write_timeout_s: float = REMOTE_WRITE_TIMEOUT_S
     # Lossy demotion: blocks leave the device as int8 or fp8 with per-head scales (4x fewer
     # bytes than float32, 2x than 16-bit, on the host link, in host memory and below); None:
     # exact bytes.
@@ -161,6 +174,14 @@ class TierConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name}={value} must be > 0 (or unset)")
+        if not self.fetch_deadline_s > 0:
+            raise ConfigError(f"fetch_deadline_s={self.fetch_deadline_s} must be > 0 seconds: "
+                              "the longest a wake waits on disk or Redis before the rest is "
+                              f"recomputed (default {FETCH_DEADLINE_S:g})")
+        if not self.remote_write_timeout_s > 0:
+            raise ConfigError(f"remote_write_timeout_s={self.remote_write_timeout_s} must be > 0 "
+                              "seconds: how long a write waits for the remote tier (default "
+                              f"{REMOTE_WRITE_TIMEOUT_S:g})")
         if self.kv_offload_dtype is not None:
             if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
                 raise ConfigError(f"kv_offload_dtype={self.kv_offload_dtype!r} is not one of "

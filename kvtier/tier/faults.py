@@ -3,6 +3,9 @@
   link   (job, step) -> True      that step of a device <-> host copy raises (the job fails,
                                   its partial bytes are discarded: a recompute, never a load)
   below  (job, index) -> Reason   that block of a job below host fails with that reason
+  slow   (job, index) -> seconds  that block of a fetch is that much later to read (a slow
+                                  medium, at most MAX_DELAY_S); not waited for once the
+                                  fetch's deadline has passed, and a miss if it ends past it
 `Faults.from_env()` is the one reader of the environment, for tests that drive a real process
 (a server, vLLM): KVTIER_FAULT_LOADS=1 fails every host -> device load; with
 KVTIER_FAULT_RANK=r as well, only in worker rank r (tensor parallel: one rank's failure must be
@@ -20,6 +23,8 @@ from kvtier.tier.keys import Medium
 
 LinkFault = Callable[[Job, int], bool]
 BelowFault = Callable[[Job, int], Reason | str | None]
+DelayFault = Callable[[Job, int], float]
+MAX_DELAY_S = 10.0  # a delay fault is a slow medium, never a hang
 LOADS_ENV = "KVTIER_FAULT_LOADS"
 RANK_ENV = "KVTIER_FAULT_RANK"
 
@@ -32,6 +37,10 @@ def no_below_fault(job: Job, index: int) -> Reason | None:
     return None
 
 
+def no_delay(job: Job, index: int) -> float:
+    return 0.0
+
+
 def every_load(job: Job, step: int) -> bool:
     return job.dst is Medium.DEVICE
 
@@ -42,6 +51,7 @@ class Faults:
 
     link: LinkFault = no_link_fault
     below: BelowFault = no_below_fault
+    slow: DelayFault = no_delay
 
     @classmethod
     def from_env(cls, rank: int = 0) -> Faults:

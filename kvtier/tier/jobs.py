@@ -21,7 +21,7 @@ from kvtier.tier.keys import BlockKey, Medium
 class Reason(str, enum.Enum):
     """Why a block below host was not written or not served: a bounded set, so every value
     can be a metric label. The block's own bytes (FINGERPRINT ... FIELD: dropped from its
-    tier), the medium (MISSING ... CLOSED: kept), or SKIPPED (not read after an earlier
+    tier), the medium (MISSING ... DEADLINE: kept), or SKIPPED (not read after an earlier
     block of the same prefix failed: not its fault)."""
 
     OK = ""
@@ -43,6 +43,8 @@ class Reason(str, enum.Enum):
     NO_SPACE = "no-space"  # ENOSPC / EDQUOT: the medium is full
     ERROR = "error"  # an unexpected exception on the I/O thread (logged)
     CLOSED = "closed"  # the tier shut down before the job ran
+    TIMEOUT = "timeout"  # a write the store did not acknowledge in time (a slow store)
+    DEADLINE = "deadline"  # a fetch's deadline passed before it landed (never dropped)
 
     def __str__(self) -> str:
         return self.value
@@ -73,6 +75,9 @@ class Job:
     tokens: tuple[tuple[int, ...], ...] = ()  # below host: its token ids (verified on fetch)
     media: tuple[Medium, ...] = ()  # below host, per key: the deeper tier it lives on
     below_slots: tuple[int, ...] = ()  # below host, per key: its slot there, -1 if slotless
+    # a fetch: seconds it may take from the moment the worker's I/O receives it (queueing
+    # included); what has not landed by then is a miss (Reason.DEADLINE). None: no deadline
+    budget_s: float | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -136,6 +141,9 @@ class FetchDone:
     source: Medium | None  # the deepest tier a fetched block came from
     missed: int = 0  # blocks asked for that did not come up (failed, or after a failure)
     predicted_s: float | None = None  # the hop's predicted seconds, for a whole fetch only
+    # the tier that was still reading when the fetch's deadline passed (None: it met it, or
+    # it waited most of its budget in the worker's queue: no tier's fault)
+    slow: Medium | None = None
     seconds: float = 0.0  # the I/O thread's time on it (a write's pieces it waited out apart)
     finished_at: float = 0.0  # time.perf_counter() when it ended (0: unknown)
 

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvtier.tier.below import BelowHost
 from kvtier.tier.config import TierConfig
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
+from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
 from kvtier.tier.residency_log import ResidencyChange, ResidencyLog
@@ -61,20 +62,6 @@ NO_MATCH = Match()
 FETCHING = Match(fetching=True)
 
 
-@dataclass(frozen=True)
-class RequestOutcome:
-    """What the tier did for one request, for every client to report (kv_transfer_params,
-    a response's residency) instead of keeping its own copy."""
-
-    restored_tokens: int = 0  # its prompt's tokens loaded from the tier (and landed)
-    swapped_in_tokens: int = 0  # its own state after a preemption, loaded back
-    nbytes: int = 0  # bytes those loads carried across the host link
-    source: Medium | None = None  # where the restored state lived: host, disk or remote
-    seconds: float = 0.0  # the loads' time, failed ones included
-    lossy: bool = False  # its prompt was restored from 8-bit blocks
-    failed: bool = False  # a load failed: its tokens were computed again
-
-
 @dataclass
 class _Pending:
     """A device <-> host job in flight, with what its completion must do."""
@@ -98,7 +85,7 @@ class _Request:
     declined_tokens: int = 0  # found below host but declined, or lost on the way up
     fetched_from: Medium | None = None
     fetching: bool = False  # its fetch below host is on its way
-    outcome: RequestOutcome = RequestOutcome()
+    outcome: RequestOutcome = field(default_factory=RequestOutcome)
 
 
 class TierManager:
@@ -172,8 +159,9 @@ class TierManager:
         """A frozen snapshot of everything the scheduler side counts (see report.py)."""
         return TierStats(
             host=self.host.stats, transfers=replace(self.stats),
-            calibration={**vars(self.planner.calibration),
-                         "tier_gbps": dict(self.planner.calibration.tier_gbps)},
+            calibration={**vars(self.planner.calibration),  # a slow tier's rate while slow
+                         "tier_gbps": {t: self.planner.tier_gbps(t)
+                                       for t in self.planner.calibration.tier_gbps}},
             prediction_error=self.planner.error_report(),
             below=self.below.report() if self.below else None)
 
@@ -195,7 +183,7 @@ class TierManager:
             hits = min(hits, cap // self.block_size)
         extra = state.declined_tokens
         if not preempted and not state.checked_below and hits < len(keys) and self.below:
-            media = self.below.hits(keys[hits:], tokens[hits:])
+            media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
             if media is None:
                 return None
             state.checked_below = True
@@ -221,9 +209,12 @@ class TierManager:
         then recomputed, and counted so when the request is admitted)."""
         if not media:
             return False
-        n = len(media)
-        below = self.below
-        via = below.deepest(media).value
+        below, cap = self.below, self.config.fetch_deadline_s
+        # No more than its deadline's cap brings at the predicted rate: the rest is recomputed.
+        n = min(len(media), self.planner.blocks_within(below.deepest(media).value,
+                                                       below.block_bytes, cap))
+        state.declined_tokens += (len(media) - n) * self.block_size
+        via = below.deepest(media[:n]).value
         decision = self.planner.decide(n * self.block_size, n * self.block_bytes, "auto",
                                        via, via_nbytes=n * below.block_bytes)
         if decision.choice == "recompute":
@@ -233,7 +224,7 @@ class TierManager:
         def predict(k: int) -> float:
             return self.planner.fetch_s(via, k * below.block_bytes)
 
-        if below.fetch(request_id, keys[:n], tokens[:n], media, predict):
+        if below.fetch(request_id, keys[:n], tokens[:n], media[:n], predict, cap):
             state.fetching = True
             return True
         state.declined_tokens += n * self.block_size
@@ -349,7 +340,9 @@ class TierManager:
             state.fetching = False  # asked again: the host holds what verified
             state.fetched_from = done.source if done.fetched else None
             state.declined_tokens += done.missed * self.block_size
-        if done.source is not None and result.nbytes:
+        if done.slow is not None:  # one late fetch: that tier recomputes for a while
+            self.planner.observe_slow(done.slow.value, result.nbytes, result.seconds)
+        elif done.source is not None and result.nbytes:
             self.planner.observe_tier(done.source.value, result.nbytes, result.seconds,
                                       done.predicted_s)
 
@@ -383,7 +376,8 @@ class TierManager:
         assert pending.request_id is not None
         state = self._requests.get(pending.request_id)
         if state is not None:
-            state.outcome = _landed(state.outcome, pending, ok, result.seconds, nbytes)
+            state.outcome = landed(state.outcome, pending.swap, pending.tokens, ok,
+                                   result.seconds, nbytes)
         return LoadDone(pending.request_id, job.id, ok, len(pending.keys), nbytes,
                         result.seconds, result.finished_at)
 
@@ -391,17 +385,3 @@ class TierManager:
 def job_ids() -> Iterator[int]:
     """The one id counter a manager and its deeper tiers share."""
     return itertools.count()
-
-
-def _landed(o: RequestOutcome, load: _Pending, ok: bool, seconds: float, nbytes: int
-            ) -> RequestOutcome:
-    """A request's outcome once one of its loads landed: a failed one is a miss, never a
-    load (its tokens and bytes come off, and its tokens are computed again)."""
-    o = replace(o, seconds=o.seconds + seconds, failed=o.failed or not ok)
-    if ok:
-        return o
-    if load.swap:
-        o = replace(o, swapped_in_tokens=o.swapped_in_tokens - load.tokens)
-    else:
-        o = replace(o, restored_tokens=o.restored_tokens - load.tokens)
-    return replace(o, nbytes=o.nbytes - nbytes, lossy=o.lossy and o.restored_tokens > 0)

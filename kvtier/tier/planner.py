@@ -15,16 +15,27 @@ a fixed overhead). It defaults to 0 (the engine measures only the linear term on
 updated from every real transfer and prefill) share this class, so the prediction and the
 decision can never disagree. Every decision's prediction is kept beside what then happened,
 so the planner's error is reported, not assumed.
+
+A tier below host that misses a fetch's deadline is taken as slow at once, not blended in:
+its rate is read as at most what landed over the time it had (`observe_slow`), so the very
+next decision recomputes. That slowdown holds for a cool-down (`slow_retry_s`, doubled by
+each miss in a row up to `slow_retry_max_s`); after it the tier's healthy estimate is used
+again, so one fetch probes it: on time, the slowdown is forgotten; late, a longer cool-down.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 Choice = Literal["restore", "recompute"]
+MIN_TIER_GBPS = 1e-6  # a tier that delivered nothing before a fetch's deadline: 1 KB/s
+SLOW_RETRY_S = 10.0  # how long a tier that missed a deadline is taken as slow ...
+SLOW_RETRY_MAX_S = 300.0  # ... doubled by each miss in a row, up to this
 
 
 @dataclass(frozen=True)
@@ -60,12 +71,25 @@ class Observation:
         return abs(self.predicted_s - self.actual_s) / max(self.actual_s, 1e-9)
 
 
+@dataclass(frozen=True)
+class Slowdown:
+    """A tier below host that missed a fetch's deadline, as the planner takes it now."""
+
+    gbps: float  # the rate it showed: at most the bytes that landed over the time it had
+    until: float  # planner clock: after this its healthy estimate is used (a probe) again
+    window_s: float  # this cool-down's length (doubled by each miss in a row)
+
+
 @dataclass
 class Planner:
     calibration: Calibration
     smoothing: float = 0.2  # weight of a new observation in the running estimates
     history: list[Observation] = field(default_factory=list)
     max_history: int = 10_000
+    slow_retry_s: float = SLOW_RETRY_S
+    slow_retry_max_s: float = SLOW_RETRY_MAX_S
+    clock: Callable[[], float] = time.monotonic
+    slowdowns: dict[str, Slowdown] = field(default_factory=dict)  # per tier, while slow
 
     def restore_s(self, nbytes: int, via: str | None = None, via_nbytes: int | None = None
                   ) -> float:
@@ -79,8 +103,30 @@ class Planner:
 
     def fetch_s(self, tier: str, nbytes: int) -> float:
         """The hop alone: `nbytes` as `tier` stores them, read up into host memory."""
-        c = self.calibration
-        return nbytes / (c.tier_gbps[tier] * 1e9) + c.transfer_overhead_s
+        return nbytes / (self.tier_gbps(tier) * 1e9) + self.calibration.transfer_overhead_s
+
+    def tier_gbps(self, tier: str) -> float:
+        """The read rate `tier` is planned with now: its slowdown's during a cool-down, else
+        the estimate refined from every fetch that met its deadline."""
+        slow = self.slowdowns.get(tier)
+        if slow is not None and self.clock() < slow.until:
+            return slow.gbps
+        return self.calibration.tier_gbps[tier]
+
+    def slow_tiers(self) -> set[str]:
+        """The tiers below host in a cool-down now (a wake from them would be recomputed:
+        not even worth asking them what they hold)."""
+        now = self.clock()
+        return {tier for tier, slow in self.slowdowns.items() if now < slow.until}
+
+    def blocks_within(self, tier: str, block_nbytes: int, seconds: float) -> int:
+        """How many blocks of `block_nbytes` a fetch from `tier` is predicted to bring up in
+        `seconds` (at least one: a single block is always worth asking for)."""
+        per_block = block_nbytes / (self.tier_gbps(tier) * 1e9)
+        if per_block <= 0:
+            return 1 << 30
+        useful = seconds - self.calibration.transfer_overhead_s
+        return max(1, math.floor(useful / per_block))
 
     def recompute_s(self, tokens: int) -> float:
         return self.prefill_s(tokens)
@@ -139,10 +185,22 @@ class Planner:
         was decided, then refine that tier's rate."""
         if predicted_s is not None:
             self._record(Observation("fetch", predicted_s, seconds))
+        self.slowdowns.pop(tier, None)  # it met its deadline: no longer slow
         useful = seconds - self.calibration.transfer_overhead_s
         if nbytes > 0 and useful > 0:
             rates = self.calibration.tier_gbps
             rates[tier] = self._blend(rates[tier], nbytes / useful / 1e9)
+
+    def observe_slow(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A fetch from `tier` missed its deadline after `seconds` of reading, with `nbytes`
+        landed: taken at once (no blending), at most nbytes / seconds, for a cool-down that
+        doubles with each miss in a row. The healthy estimate is kept for after it."""
+        shown = max(MIN_TIER_GBPS, nbytes / max(seconds, 1e-9) / 1e9)
+        before = self.slowdowns.get(tier)
+        window = (self.slow_retry_s if before is None
+                  else min(2 * before.window_s, self.slow_retry_max_s))
+        self.slowdowns[tier] = Slowdown(min(shown, self.tier_gbps(tier)),
+                                        self.clock() + window, window)
 
     def observe_prefill(self, tokens: int, seconds: float, predicted_s: float | None = None
                         ) -> None:

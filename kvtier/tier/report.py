@@ -10,7 +10,7 @@ client reads the manager's parts.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tier.index.base import IndexStats
@@ -45,6 +45,8 @@ class BelowReport:
     encoding: str  # "" exact, else the lossy encoding of every block below host
     stores: Mapping[str, IndexStats]  # each tier below host's index, by medium value
     lookups_answered_absent: int  # remote presence questions a failing store answered
+    # "remote:timeout" -> blocks a tier failed to take, by reason (write_failures' split)
+    write_failure_reasons: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

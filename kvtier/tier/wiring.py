@@ -81,7 +81,7 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
                                                         config.remote_kv_read_gbps)
         manager = _manager(config, block_size, host.num_slots, host.slot_bytes, host.encoding,
                            link.layout.block_nbytes, calibration, indexes)
-        io = TierIO(host, namespace, stores, faults.below)
+        io = TierIO(host, namespace, stores, faults.below, faults.slow)
         tier = Tier(manager, TierWorker(host, link, io))
         undo.pop_all()
     return tier
@@ -159,7 +159,7 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
         if config.remote_enabled:
             stores.append(RemoteBlocks(_open_remote(config, namespace, undo, mac), mac,
                                        host.slot_bytes))
-        io = TierIO(host, namespace, stores, faults.below)
+        io = TierIO(host, namespace, stores, faults.below, faults.slow)
         undo.pop_all()
     return TierWorker(host, link, io)
 
@@ -211,11 +211,13 @@ def _open_remote(config: TierConfig, namespace: bytes, undo: ExitStack, mac: Blo
         from kvtier.tier.worker.redis_cluster_store import ClusterStore
 
         store = ClusterStore(url, namespace, config.remote_kv_ttl_s,
-                             read_replicas=config.remote_kv_read_replicas)
+                             read_replicas=config.remote_kv_read_replicas,
+                             write_timeout_s=config.remote_write_timeout_s)
     else:
         from kvtier.tier.worker.redis_store import RedisStore
 
-        store = RedisStore(url, namespace, config.remote_kv_ttl_s)
+        store = RedisStore(url, namespace, config.remote_kv_ttl_s,
+                           write_timeout_s=config.remote_write_timeout_s)
     undo.callback(store.close)
     return store
 

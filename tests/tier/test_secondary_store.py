@@ -77,7 +77,8 @@ class DictTier:
 
     parallel_reads = True  # its blocks are in a dict: any thread may read them
 
-    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> DictTier:
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
+              deadline: float | None = None) -> DictTier:
         return self
 
     def ready(self, key: BlockKey) -> bool:

@@ -22,8 +22,10 @@ def tier_counters(report: TierStats, world_size: int = 1) -> dict[str, float]:
                               ("fetched_blocks", b.fetched_blocks),
                               ("fetched_bytes", b.fetched_bytes)):
             out.update({f"{name}|{tier}": n for tier, n in counter.items()})
-        for label, n in b.misses.items():  # "tier:reason"
-            tier, _, reason = label.partition(":")
-            out[f"miss_blocks|{tier}|{reason}"] = n
+        for name, counter in (("miss_blocks", b.misses),
+                              ("write_failure_blocks", b.write_failure_reasons)):
+            for label, n in counter.items():  # "tier:reason"
+                tier, _, reason = label.partition(":")
+                out[f"{name}|{tier}|{reason}"] = n
     return {key: value * world_size if key.partition("|")[0].endswith("_bytes")
             else value for key, value in out.items()}

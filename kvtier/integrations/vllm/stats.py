@@ -48,7 +48,10 @@ LABELLED = {
                                     "(its index and kind: full, or window=<tokens>)"),
     "miss_blocks": (("tier", "reason"), "Blocks found below host but not served, by reason "
                                         "(kvtier.tier.Reason: fingerprint, checksum, mac, "
-                                        "missing, io, ...; blocks refused at start included)"),
+                                        "missing, io, deadline, ...; blocks refused at start "
+                                        "included)"),
+    "write_failure_blocks": (("tier", "reason"), "Blocks a tier below host failed to take, by "
+                                                 "reason (timeout, unavailable, io, ...)"),
 }
 
 

@@ -20,6 +20,11 @@ I/O errors and an unreachable Redis are failures of the job's keys, never except
 of this thread. Every reason is a bounded `Reason`; the text of an error (strerror, an
 exception) is logged once per tier and reason, never a label.
 
+A fetch's deadline is its `Job.budget_s` from the moment `submit` receives it (time queued
+behind a write counts): no read starts after it (a Redis reply is cut mid-value, its
+connection retired), the leading blocks that landed and verify are served, and every block
+not landed is a miss, Reason.DEADLINE, kept where it lives.
+
 Only the remote tier carries a MAC. Whoever can write a shared Redis is another party; the
 disk tier's slot file is 0600 in a 0700 directory owned by the serving user, so whoever can
 write it is that user or root, who could equally replace the weights or the code. A MAC
@@ -40,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvtier.tier.faults import BelowFault, no_below_fault
+from kvtier.tier.faults import MAX_DELAY_S, BelowFault, DelayFault, no_below_fault, no_delay
 from kvtier.tier.jobs import Job, Reason, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.worker.block_format import (
@@ -72,14 +77,15 @@ READERS = 2  # threads that read and verify a fetch's blocks
 class TierIO:
     """Runs tier jobs on one thread against its stores (none: no thread, and no job may
     come); `fault` fails chosen blocks (tests): a fetch with that `Reason`, a write as an
-    OSError of that text."""
+    OSError of that text; `delay` makes chosen blocks of a fetch slow to read (tests)."""
 
     def __init__(self, host: HostPool, namespace: bytes, stores: Sequence[SecondaryStore] = (),
-                 fault: BelowFault = no_below_fault) -> None:
+                 fault: BelowFault = no_below_fault, delay: DelayFault = no_delay) -> None:
         self.host, self.namespace = host, namespace
         self.stores = {s.medium: s for s in stores}
         self.encoding = host.encoding  # a row's bytes go down as they are: encoded or not
-        self.fault = fault
+        self.fault, self.delay = fault, delay
+        self._deadlines: dict[int, float] = {}  # a fetch's job id -> its time.monotonic() end
         self._logged: set[tuple[Medium, Reason]] = set()  # touched by the I/O thread only
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
@@ -98,7 +104,9 @@ class TierIO:
             self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue `job` (its id is the caller's); fetches go ahead of background writes."""
+        """Queue `job` (its id is the caller's); fetches go ahead of background writes, and
+        a fetch's deadline clock starts now."""
+        received = time.monotonic()
         with self._cond:
             if self._closing:
                 raise RuntimeError("tier I/O is closed")
@@ -106,6 +114,8 @@ class TierIO:
             self._order[job.id] = self._submitted
             self._submitted += 1
             if job.dst is Medium.HOST:  # a fetch: a request waits on it
+                if job.budget_s is not None:
+                    self._deadlines[job.id] = received + job.budget_s
                 self._queue.appendleft(job)
                 self._fetches += 1
             else:
@@ -146,6 +156,7 @@ class TierIO:
             self._thread.join(timeout=30)
         self._readers.shutdown(wait=True)
         with self._cond:  # whatever never ran fails: its keys become misses
+            self._deadlines.clear()
             while self._queue:
                 job = self._queue.popleft()
                 n = len(job.keys)
@@ -170,9 +181,11 @@ class TierIO:
         go first."""
         start = time.perf_counter()
         self._yielded = 0.0
+        with self._cond:
+            deadline = self._deadlines.pop(job.id, None)
         try:
             ok, reasons, nbytes = (self._write(job) if job.src is Medium.HOST
-                                   else self._fetch(job))
+                                   else self._fetch(job, deadline))
         except Exception as e:  # never let one job take the thread down
             n = len(job.keys)
             tier = job.src if job.dst is Medium.HOST else job.dst
@@ -260,23 +273,29 @@ class TierIO:
 
     # -- fetches ------------------------------------------------------------------------
 
-    def _fetch(self, job: Job) -> tuple[list[bool], list[Reason], int]:
+    def _fetch(self, job: Job, deadline: float | None = None
+               ) -> tuple[list[bool], list[Reason], int]:
         n = len(job.keys)
         ok, reasons = [False] * n, [Reason.SKIPPED] * n
         rows = [tensor_bytes(self.host.tensor[s]) for s in job.host_slots]
         reads = {m: self.stores[m].reads([k for k, t in zip(job.keys, job.media) if t is m],
-                                         [r for r, t in zip(rows, job.media) if t is m])
+                                         [r for r, t in zip(rows, job.media) if t is m],
+                                         deadline)
                  for m in dict.fromkeys(job.media)}
 
         bad: list[tuple[SecondaryStore, bytes, int]] = []  # to discard once all are read
 
         def read(i: int) -> Reason:
             fault = self.fault(job, i)
+            if fault is not None:
+                return Reason(fault)
+            delay = self.delay(job, i)
+            if delay > 0 and (deadline is None or time.monotonic() < deadline):
+                time.sleep(min(delay, MAX_DELAY_S))  # a slow medium (tests): one slow read
             tier = job.media[i]
-            return (Reason(fault) if fault is not None else
-                    self._read(self.stores[tier], reads[tier], job.keys[i], job.tokens[i],
-                               job.below_slots[i], self.host.tensor[job.host_slots[i]],
-                               rows[i], bad))
+            return self._read(self.stores[tier], reads[tier], job.keys[i], job.tokens[i],
+                              job.below_slots[i], self.host.tensor[job.host_slots[i]],
+                              rows[i], bad)
 
         # Blocks whose bytes are at hand are read and verified by the reader team at once
         # (every one is verified even after a failure, as below); the rest in order. Bad
@@ -287,12 +306,16 @@ class TierIO:
         done = dict(zip(early, self._readers.map(read, early))) if len(early) > 1 else {}
         nbytes = 0
         failed = False  # after a failure no block counts (a prefix cannot skip a block)
+        late = False  # the deadline cut the fetch: every block not landed says so
         for i, (key, tier) in enumerate(zip(job.keys, job.media)):
             if i not in done and failed and not reads[tier].ready(key):
+                if late:  # its reads' own answer, no I/O: mostly DEADLINE
+                    reasons[i] = read(i)
                 continue  # not fetched (or absent): nothing of it to verify, SKIPPED
             reason = done[i] if i in done else read(i)
             if reason is not Reason.OK:
                 reasons[i], failed = reason, True  # a bad block after it: its own reason
+                late = late or reason is Reason.DEADLINE
             elif not failed:
                 ok[i], reasons[i] = True, Reason.OK
                 nbytes += self.host.slot_bytes  # as stored: a host row, 8-bit where it is

@@ -5,7 +5,8 @@ at start, and a node's keys sent as one pipeline."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import redis
@@ -30,13 +31,20 @@ Command = Callable[[Any, int], None]
 # Runs one node's keys (by index; those in the set go after an ASKING): a reply or an
 # exception per key.
 NodeCall = Callable[[RedisCluster, ClusterNode, list[int], set[int]], list[Any]]
+# The redis-py client a node's pipeline goes through.
+NodeClient = Callable[[RedisCluster, ClusterNode], redis.Redis]
 
 
-def pipelined(command: Command) -> NodeCall:
-    """A node's keys as one redis-py pipeline of `command`s on that node's connection."""
+def cluster_connection(client: RedisCluster, node: ClusterNode) -> redis.Redis:
+    return client.get_redis_connection(node)
+
+
+def pipelined(command: Command, connection: NodeClient = cluster_connection) -> NodeCall:
+    """A node's keys as one redis-py pipeline of `command`s on that node's connection (the
+    cluster client's, or `connection`'s)."""
     def run(client: RedisCluster, node: ClusterNode, indices: list[int],
             asking: set[int]) -> list[Any]:
-        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        pipe = connection(client, node).pipeline(transaction=False)
         for i in indices:
             if i in asking:
                 pipe.execute_command("ASKING")
@@ -66,6 +74,38 @@ def connect(spec: ClusterUrl, timeout_s: float, read_replicas: bool) -> RedisClu
         raise
     _ping_a_master(client)
     return client
+
+
+class NodeWriters:
+    """A redis-py client per node for writes, waiting `write_timeout_s` for each (the
+    cluster client's connections keep the read timeout); made on first use, closed when
+    the node leaves the slot map."""
+
+    def __init__(self, spec: ClusterUrl, timeout_s: float, write_timeout_s: float) -> None:
+        self._options = {**_connection_options(spec, write_timeout_s),
+                         "socket_connect_timeout": timeout_s,
+                         "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))}
+        self._clients: dict[str, redis.Redis] = {}
+        self._lock = threading.Lock()
+
+    def get(self, client: RedisCluster, node: ClusterNode) -> redis.Redis:
+        with self._lock:
+            writer = self._clients.get(node.name)
+            if writer is None:
+                writer = self._clients[node.name] = redis.Redis(
+                    host=node.host, port=int(node.port), **self._options)
+            return writer
+
+    def keep(self, names: Collection[str]) -> None:
+        """Close the clients of nodes not in `names` (they left the slot map)."""
+        with self._lock:
+            gone = [c for name, c in self._clients.items() if name not in names]
+            self._clients = {n: c for n, c in self._clients.items() if n in names}
+        for writer in gone:
+            writer.close()
+
+    def close(self) -> None:
+        self.keep(())
 
 
 def _ping_a_master(client: RedisCluster) -> None:

@@ -10,7 +10,10 @@ cluster is down and misses until it is up.
 
 Bound: a batch waits at most one socket timeout (`timeout_s`) per round of pipelines (nodes
 run in parallel), at most two rounds (the second follows MOVED/ASK redirects after a reshard
-or failover), plus a topology refresh at most once per `retry_after_s`.
+or failover), plus a topology refresh at most once per `retry_after_s`. A fetch's deadline
+cuts every node's reads at once: what landed serves, the rest is a RemoteDeadline per key,
+and each node that was still sending opens its breaker (slow counts as failing). Writes wait
+`write_timeout_s` on clients of their own; a timed-out one is a RemoteTimeout per key.
 """
 
 from __future__ import annotations
@@ -34,14 +37,20 @@ from kvtier.tier.worker.redis_cluster_client import (
     CLUSTER_EXAMPLE,
     OUTAGES,
     NodeCall,
+    NodeWriters,
     connect,
     pipelined,
     warn_settings,
 )
-from kvtier.tier.worker.redis_direct import AUTH_ERRORS, NodeReaders
-from kvtier.tier.worker.redis_store import KeyedStore, auth_message
+from kvtier.tier.worker.redis_direct import AUTH_ERRORS, DeadlinePassed, NodeReaders
+from kvtier.tier.worker.redis_store import (
+    KeyedStore,
+    auth_message,
+    timed_out,
+    with_deadline_misses,
+)
 from kvtier.tier.worker.remote_store import Landed
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.worker.unavailable import RemoteDeadline, RemoteTimeout, RemoteUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +62,12 @@ class ClusterStore(KeyedStore):
 
     def __init__(self, url: str, namespace: bytes, ttl_s: float | None = None,
                  timeout_s: float = 0.5, retry_after_s: float = 1.0,
-                 read_replicas: bool = False) -> None:
+                 read_replicas: bool = False, write_timeout_s: float | None = None) -> None:
         if not isinstance(url, str) or not is_cluster_url(url):
             raise ConfigError(f"a cluster URL starts with redis-cluster:// or "
                               f"rediss-cluster://, got {mask_url(str(url))!r}")
         self._spec = parse_cluster_url(url)
-        super().__init__(url, namespace, ttl_s, timeout_s, retry_after_s)
+        super().__init__(url, namespace, ttl_s, timeout_s, retry_after_s, write_timeout_s)
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
         self._read_replicas = read_replicas
@@ -74,6 +83,8 @@ class ClusterStore(KeyedStore):
         self._readers = None if self._spec.tls else NodeReaders(
             timeout_s, username=self._spec.username, password=self._spec.password,
             client_name=dict(self._spec.options).get("client_name"), readonly=read_replicas)
+        self._writers = (NodeWriters(self._spec, timeout_s, write_timeout_s)  # own timeout
+                         if write_timeout_s is not None and write_timeout_s != timeout_s else None)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
         """Per item None once stored, or why its shard did not take it."""
@@ -82,7 +93,8 @@ class ClusterStore(KeyedStore):
         def put(pipe: Any, i: int) -> None:
             pipe.set(names[i], items[i][1], px=self._px)
 
-        out = self._batch("put", names, pipelined(put), write=True)
+        call = pipelined(put) if self._writers is None else pipelined(put, self._writers.get)
+        out = self._batch("put", names, call, write=True)
         return [v if isinstance(v, RemoteUnavailable) else None for v in out]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
@@ -92,9 +104,11 @@ class ClusterStore(KeyedStore):
                            write=False)
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                      header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
+                      header_limit: int, deadline: float | None = None
+                      ) -> list[bytes | Landed | RemoteUnavailable | None]:
         """As `get_many`, each value whose payload fits its `out` received straight into it
-        (pipelined GETs per node, each on its own connection)."""
+        (pipelined GETs per node, each on its own connection); by `deadline` (monotonic;
+        over TLS, checked only before the call) the values not landed are RemoteDeadline."""
         readers = self._readers
         if readers is None:
             return list(self.get_many(keys))
@@ -105,7 +119,7 @@ class ClusterStore(KeyedStore):
             reader = readers.get(node.name, (node.host, int(node.port)))
             return list(reader.get_each_into(
                 [names[i] for i in indices], [outs[i] for i in indices], header_limit,
-                {j for j, i in enumerate(indices) if i in asking}))
+                {j for j, i in enumerate(indices) if i in asking}, deadline))
 
         return self._batch("get", names, fetch, write=False)
 
@@ -141,8 +155,9 @@ class ClusterStore(KeyedStore):
         self._pool.shutdown(wait=False)
         with self._lock:
             client, self._client = self._client, None
-        if self._readers is not None:
-            self._readers.close()
+        for nodes in (self._readers, self._writers):
+            if nodes is not None:
+                nodes.close()
         if client is not None:
             client.close()
 
@@ -241,13 +256,17 @@ class ClusterStore(KeyedStore):
         redirects: dict[int, MovedError | AskError] = {}
         failed: dict[str, list[int]] = {}
         for (node, indices), replies in zip(jobs, results):
-            if isinstance(replies, RemoteUnavailable):
+            if isinstance(replies, RemoteDeadline):  # no time left to retry elsewhere
+                replies = with_deadline_misses(len(indices), replies)
+            elif isinstance(replies, RemoteUnavailable):
                 failed[node.name] = indices
                 for i in indices:
                     out[i] = replies
                 continue
             for i, reply in zip(indices, replies):
-                if isinstance(reply, (MovedError, AskError)):
+                if isinstance(reply, RemoteUnavailable):
+                    out[i] = reply
+                elif isinstance(reply, (MovedError, AskError)):
                     redirects[i] = reply
                 elif isinstance(reply, Exception):  # CLUSTERDOWN, TRYAGAIN, OOM...: this key
                     out[i] = RemoteUnavailable(f"remote tier {self._url_for_log} {what} on "
@@ -272,10 +291,15 @@ class ClusterStore(KeyedStore):
             self._record(e)
             raise ConfigError(auth_message(f"Redis Cluster node {node.name}", e,
                                            CLUSTER_EXAMPLE)) from None
+        except DeadlinePassed as e:  # slow is as bad as down, once the request went out
+            (breaker.failed if e.sent else breaker.released)()
+            return RemoteDeadline(f"remote tier {self._url_for_log} {what} on node "
+                                  f"{node.name}: {self._record(e) if e.sent else e}", e.landed)
         except OUTAGES as e:
             breaker.failed()
-            return RemoteUnavailable(f"remote tier {self._url_for_log} {what} on node "
-                                     f"{node.name} failed: {self._record(e)}")
+            error = RemoteTimeout if what == "put" and timed_out(e) else RemoteUnavailable
+            return error(f"remote tier {self._url_for_log} {what} on node {node.name} "
+                         f"failed: {self._record(e)}")
         breaker.succeeded()
         return replies
 
@@ -344,8 +368,9 @@ class ClusterStore(KeyedStore):
                    for n in owners}
         with self._lock:  # a node that left the map is no longer "down": it is gone
             self._breakers = {k: b for k, b in self._breakers.items() if k in serving}
-        if self._readers is not None:
-            self._readers.keep(serving)
+        for nodes in (self._readers, self._writers):
+            if nodes is not None:
+                nodes.keep(serving)
         return True
 
     def _any_down(self) -> bool:
@@ -374,5 +399,3 @@ class ClusterStore(KeyedStore):
             if isinstance(answers[node.name], list):
                 answers[node.name] = answers[node.name][0]
         return answers
-
-

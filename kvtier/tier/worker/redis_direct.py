@@ -8,12 +8,21 @@ buffer and the row itself (faulted in when the pool was allocated); any other le
 back whole as bytes (and fails verification as before). One server answers one MGET; a
 cluster node answers pipelined GETs, each key's error reply (MOVED, ASK, ...) its own.
 Plain TCP and unix sockets only (TLS stays on redis-py).
+
+A fetch's deadline (a `time.monotonic()` instant) bounds the whole exchange, not each read:
+before every receive the clock is read, and once the socket's timeout could carry a receive
+more than ARM_SLACK_S past the deadline, it is lowered to what is left (so near a deadline
+about once per ARM_SLACK_S, and never for a fetch that lands well within its deadline). A
+server that trickles its reply is cut off at the deadline with `DeadlinePassed` (the values
+that landed whole before it are kept), and the connection is closed: a reply cut short is
+never read as the next one.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
@@ -34,6 +43,18 @@ AUTH_ERRORS = (redis.AuthenticationError, NoPermissionError)
 
 T = TypeVar("T")
 Value = bytes | Landed | None  # a value: landed in its row, whole, or absent
+LATE_SLACK_S = 0.005  # a receive that timed out this close to the deadline met it
+ARM_SLACK_S = 0.01  # a receive may end this far past a fetch's deadline (see above)
+
+
+class DeadlinePassed(redis.TimeoutError):
+    """A fetch's deadline passed before its reply was whole. `landed`: the leading values
+    received whole before it (their rows are filled); `sent`: whether the request went out
+    (False: the deadline had passed before anything touched the network)."""
+
+    def __init__(self, landed: Sequence[Any], sent: bool) -> None:
+        super().__init__(f"the fetch's deadline passed after {len(landed)} value(s)")
+        self.landed, self.sent = list(landed), sent
 
 
 def direct_supported(url: str) -> bool:
@@ -64,6 +85,8 @@ class DirectReader:
             self._handshake.append((b"READONLY",))
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._sock_timeout = timeout_s  # the open socket's timeout now (lowered near a deadline)
+        self._deadline: float | None = None  # the exchange in progress's, if it has one
         self._buf = bytearray()  # bytes received past the last parsed item
         self._lock = threading.Lock()
 
@@ -79,36 +102,38 @@ class DirectReader:
                    client_name=options.get("client_name"))
 
     def mget_into(self, names: Sequence[bytes], outs: Sequence[memoryview],
-                  header_limit: int) -> list[Value]:
+                  header_limit: int, deadline: float | None = None) -> list[Value]:
         """One MGET. Per name: Landed (its last len(out) bytes are in `out`, the bytes before
         them in `header`) when the value is longer than `out` by at most `header_limit`; else
-        the whole value as bytes, or None if absent. An error reply raises."""
-        def parse(head: bytes) -> list[Value]:
+        the whole value as bytes, or None if absent. An error reply raises; so does a
+        `deadline` (monotonic) that passes first (`DeadlinePassed`)."""
+        def parse(head: bytes, values: list[Any]) -> list[Value]:
             if head.startswith(b"-"):
                 raise reply_error(head)
             if head[:1] != b"*" or number(head) != len(names):
                 raise redis.ResponseError(f"direct MGET: expected {len(names)} values, got "
                                           f"{head[:40]!r}")
-            return [self._value(self._line(), out, header_limit) for out in outs]
+            for out in outs:
+                values.append(self._value(self._line(), out, header_limit))
+            return values
 
-        return self._exchange(command(b"MGET", *names), parse)
+        return self._exchange(command(b"MGET", *names), parse, deadline)
 
     def get_each_into(self, names: Sequence[bytes], outs: Sequence[memoryview],
-                      header_limit: int, asking: Collection[int] = ()
-                      ) -> list[Value | redis.RedisError]:
+                      header_limit: int, asking: Collection[int] = (),
+                      deadline: float | None = None) -> list[Value | redis.RedisError]:
         """Pipelined GETs (a cluster node: keys of many slots), each as `mget_into`'s values,
         or the key's error reply as an exception (MovedError, AskError, ...); `asking`:
-        indices sent after an ASKING (a slot being migrated)."""
+        indices sent after an ASKING (a slot being migrated); `deadline` as `mget_into`'s."""
         request = b"".join((command(b"ASKING") if i in asking else b"") + command(b"GET", name)
                            for i, name in enumerate(names))
 
-        def parse(first: bytes) -> list[Value | redis.RedisError]:
+        def parse(first: bytes, values: list[Any]) -> list[Value | redis.RedisError]:
             pending = [first]
 
             def line() -> bytes:
                 return pending.pop() if pending else self._line()
 
-            values: list[Value | redis.RedisError] = []
             for i, out in enumerate(outs):
                 denied = None
                 if i in asking:  # ASKING's own reply first: +OK, or why not
@@ -123,7 +148,7 @@ class DirectReader:
                 raise refused[0]
             return values
 
-        return self._exchange(request, parse)
+        return self._exchange(request, parse, deadline)
 
     def close(self) -> None:
         with self._lock:
@@ -131,52 +156,91 @@ class DirectReader:
 
     # -- one request, one reply ---------------------------------------------------------
 
-    def _exchange(self, request: bytes, parse: Callable[[bytes], T]) -> T:
-        """Send `request`, parse its reply from the first line on. One immediate retry when
-        a connection turns out closed before any reply byte (a server restart); never twice
-        for a timeout."""
+    def _exchange(self, request: bytes, parse: Callable[[bytes, list[Any]], T],
+                  deadline: float | None) -> T:
+        """Send `request`, parse its reply from the first line on (`parse` appends each
+        value to the list it is given as it lands). One immediate retry when a connection
+        turns out closed before any reply byte (a server restart); never twice for a
+        timeout. Any error closes the connection; a timeout at `deadline` is DeadlinePassed."""
         with self._lock:
-            for attempt in (0, 1):
-                fresh = self._sock is None
-                try:
-                    self._connected().sendall(request)
-                    first = self._line()
-                except (ConnectionError, EOFError) as e:
-                    self._close()
-                    if fresh or attempt:
+            if self._sock is not None and self._sock_timeout != self._timeout_s:
+                self._sock.settimeout(self._timeout_s)  # lowered near the last deadline
+                self._sock_timeout = self._timeout_s
+            self._deadline = deadline
+            values: list[Any] = []
+            sent = False
+            try:
+                for attempt in (0, 1):
+                    fresh = self._sock is None
+                    try:
+                        sock = self._connected()
+                        self._arm(sock)
+                        sock.sendall(request)
+                        sent = True
+                        first = self._line()
+                    except (ConnectionError, EOFError) as e:
+                        self._close()
+                        if fresh or attempt:
+                            raise redis.ConnectionError(f"direct read: {e}") from None
+                        continue
+                    except BaseException:
+                        self._close()
+                        raise
+                    try:
+                        reply = parse(first, values)
+                    except EOFError as e:  # closed mid-reply: an outage, as a reset would be
+                        self._close()
                         raise redis.ConnectionError(f"direct read: {e}") from None
-                    continue
-                except BaseException:
-                    self._close()
-                    raise
-                try:
-                    reply = parse(first)
-                except EOFError as e:  # closed mid-reply: an outage, as a reset would be
-                    self._close()
-                    raise redis.ConnectionError(f"direct read: {e}") from None
-                except BaseException:
-                    self._close()
-                    raise
-                if self._buf:  # bytes past the reply: the stream is not what was asked for
-                    self._close()
-                return reply
+                    except BaseException:
+                        self._close()
+                        raise
+                    if self._buf:  # bytes past the reply: the stream is not what was asked for
+                        self._close()
+                    return reply
+            except TimeoutError:
+                if deadline is None or time.monotonic() < deadline - LATE_SLACK_S:
+                    raise  # the socket's own timeout: the server went quiet
+                raise DeadlinePassed(values, sent) from None
+            finally:
+                self._deadline = None
         raise AssertionError("unreachable")
+
+    def _wait_s(self) -> float:
+        """How long the next connect or receive may wait: the socket timeout, or less once
+        the exchange's deadline is nearer (TimeoutError once it has passed)."""
+        if self._deadline is None:
+            return self._timeout_s
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the fetch's deadline passed")
+        return min(self._timeout_s, left)
+
+    def _arm(self, sock: socket.socket) -> None:
+        """Before a send or receive: a clock read (none without a deadline), and a
+        settimeout only where the socket's timeout could carry it past the deadline."""
+        if self._deadline is None:
+            return
+        wait = self._wait_s()
+        if self._sock_timeout > wait + ARM_SLACK_S:
+            sock.settimeout(wait)
+            self._sock_timeout = wait
 
     def _connected(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
+        wait = self._wait_s()
         if isinstance(self._where, str):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self._timeout_s)
+            sock.settimeout(wait)
             try:
                 sock.connect(self._where)
             except BaseException:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection(self._where, timeout=self._timeout_s)
+            sock = socket.create_connection(self._where, timeout=wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._buf = sock, bytearray()
+        self._sock, self._buf, self._sock_timeout = sock, bytearray(), wait
         try:
             for parts in self._handshake:
                 sock.sendall(command(*parts))
@@ -245,15 +309,18 @@ class DirectReader:
         out[:have] = self._buf[:have]
         del self._buf[:have]
         pos = have
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
         while pos < len(out):
-            got = self._sock.recv_into(out[pos:])
+            self._arm(sock)
+            got = sock.recv_into(out[pos:])
             if not got:
                 raise EOFError("the server closed the connection mid-value")
             pos += got
 
     def _fill(self) -> None:
         assert self._sock is not None
+        self._arm(self._sock)
         chunk = self._sock.recv(RECV_CHUNK)
         if not chunk:
             raise EOFError("the server closed the connection")

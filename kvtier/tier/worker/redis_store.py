@@ -3,8 +3,11 @@
 A remote tier is an optimisation, never a dependency: when the server is down, slow or
 erroring, every call raises `RemoteUnavailable` (the caller treats it as a miss) and a
 circuit breaker then refuses calls without touching the network for `retry_after_s`, so an
-outage costs one timeout per window instead of one per request. Wrong credentials are a
-configuration mistake, not an outage: they raise `ConfigError`.
+outage costs one timeout per window instead of one per request. A fetch that misses its
+deadline (`get_many_into`'s) opens the breaker too: a slow server is treated as a failing
+one. Writes wait `write_timeout_s` (longer than a read's: a starved server still keeps up);
+one that times out raises `RemoteTimeout`. Wrong credentials are a configuration mistake,
+not an outage: they raise `ConfigError`.
 Keys are namespaced by a fingerprint of the model and cache layout, so two models or
 configurations sharing one server never read each other's blocks.
 """
@@ -24,9 +27,14 @@ from redis.retry import Retry
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.tier.redis_url import ACCEPTED_URLS, mask_url, validate_url
 from kvtier.tier.worker.breaker import Breaker
-from kvtier.tier.worker.redis_direct import AUTH_ERRORS, DirectReader, direct_supported
+from kvtier.tier.worker.redis_direct import (
+    AUTH_ERRORS,
+    DeadlinePassed,
+    DirectReader,
+    direct_supported,
+)
 from kvtier.tier.worker.remote_store import Landed
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.worker.unavailable import RemoteDeadline, RemoteTimeout, RemoteUnavailable
 
 NAMESPACE_BYTES = 16
 
@@ -34,7 +42,7 @@ T = TypeVar("T")
 
 
 def check_store_args(namespace: bytes, ttl_s: float | None, timeout_s: float,
-                     retry_after_s: float) -> None:
+                     retry_after_s: float, write_timeout_s: float | None = None) -> None:
     """ConfigError for a knob no remote store can work with."""
     if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
         raise ConfigError(f"remote tier namespace must be a {NAMESPACE_BYTES}-byte digest, "
@@ -43,6 +51,9 @@ def check_store_args(namespace: bytes, ttl_s: float | None, timeout_s: float,
         raise ConfigError(f"remote tier TTL must be positive seconds or unset, got {ttl_s}")
     if not timeout_s > 0:
         raise ConfigError(f"remote tier timeout must be positive seconds, got {timeout_s}")
+    if write_timeout_s is not None and not write_timeout_s > 0:
+        raise ConfigError(f"remote_write_timeout_s must be positive seconds, got "
+                          f"{write_timeout_s}")
     if not retry_after_s >= 0:
         raise ConfigError(f"remote tier retry_after_s must be >= 0, got {retry_after_s}")
 
@@ -60,13 +71,24 @@ def one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
+def timed_out(e: BaseException) -> bool:
+    """Whether a store call failed by waiting too long (not a refusal or a reset)."""
+    return isinstance(e, (redis.TimeoutError, TimeoutError))
+
+
+def with_deadline_misses(n: int, e: RemoteDeadline) -> list[Any]:
+    """A batch of `n` values cut by a fetch's deadline: the leading ones that landed, then
+    `e` for each one that did not."""
+    return [*e.landed, *[e] * (n - len(e.landed))]
+
+
 class KeyedStore(ABC):
     """What one server and a cluster share: the checked knobs, the URL as it may be logged,
     one key per block in the namespace, the errors seen, and `ping` over `check`."""
 
     def __init__(self, url: str, namespace: bytes, ttl_s: float | None, timeout_s: float,
-                 retry_after_s: float) -> None:
-        check_store_args(namespace, ttl_s, timeout_s, retry_after_s)
+                 retry_after_s: float, write_timeout_s: float | None = None) -> None:
+        check_store_args(namespace, ttl_s, timeout_s, retry_after_s, write_timeout_s)
         self._url_for_log = mask_url(url)
         self._prefix = key_prefix(namespace)
         self._px = ttl_ms(ttl_s)
@@ -107,18 +129,23 @@ class KeyedStore(ABC):
 
 
 class RedisStore(KeyedStore):
-    """Batched byte store over one Redis/Valkey server, each batch one round trip."""
+    """Batched byte store over one Redis/Valkey server, each batch one round trip;
+    `write_timeout_s` (None: `timeout_s`) is what a write waits, on a client of its own."""
 
     def __init__(self, url: str, namespace: bytes, ttl_s: float | None = None,
-                 timeout_s: float = 0.5, retry_after_s: float = 1.0) -> None:
+                 timeout_s: float = 0.5, retry_after_s: float = 1.0,
+                 write_timeout_s: float | None = None) -> None:
         validate_url(url)
-        super().__init__(url, namespace, ttl_s, timeout_s, retry_after_s)
+        super().__init__(url, namespace, ttl_s, timeout_s, retry_after_s, write_timeout_s)
         # One immediate retry on a broken connection only: a pooled socket left stale by a
         # server restart reconnects at once, while a timeout is never paid twice.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         try:
             self._client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                                 socket_connect_timeout=timeout_s, retry=retry)
+            self._writer = self._client if write_timeout_s in (None, timeout_s) else \
+                redis.Redis.from_url(url, socket_timeout=write_timeout_s,
+                                     socket_connect_timeout=timeout_s, retry=retry)
         except ValueError as e:
             raise ConfigError(f"invalid Redis URL {self._url_for_log!r}: {e}; "
                               f"expected {ACCEPTED_URLS}") from None
@@ -137,7 +164,7 @@ class RedisStore(KeyedStore):
                 pipe.set(self.key(block_key), value, px=self._px)
             pipe.execute()
 
-        self._call("put", put)
+        self._call("put", put, self._writer)
         return [None] * len(items)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
@@ -148,14 +175,21 @@ class RedisStore(KeyedStore):
         return self._call("get", lambda client: list(client.mget(names)))
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                      header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
-        """As `get_many`, each value whose payload fits its `out` received straight into it."""
+                      header_limit: int, deadline: float | None = None
+                      ) -> list[bytes | Landed | RemoteUnavailable | None]:
+        """As `get_many`, each value whose payload fits its `out` received straight into it;
+        by `deadline` (monotonic; over TLS, checked only before the call), the values not
+        landed are a RemoteDeadline each."""
         if self._direct is None:
             return list(self.get_many(keys))
         if not keys:
             return []
         direct, names = self._direct, [self.key(k) for k in keys]
-        return list(self._call("get", lambda _: direct.mget_into(names, outs, header_limit)))
+        try:
+            return list(self._call("get", lambda _: direct.mget_into(names, outs, header_limit,
+                                                                     deadline)))
+        except RemoteDeadline as e:
+            return with_deadline_misses(len(keys), e)
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
@@ -182,16 +216,19 @@ class RedisStore(KeyedStore):
 
     def close(self) -> None:
         self._client.close()
+        if self._writer is not self._client:
+            self._writer.close()
         if self._direct is not None:
             self._direct.close()
 
-    def _call(self, what: str, op: Callable[[redis.Redis], T]) -> T:
+    def _call(self, what: str, op: Callable[[redis.Redis], T],
+              client: redis.Redis | None = None) -> T:
         if not self._breaker.allow():
             raise RemoteUnavailable(
                 f"remote tier {self._url_for_log} unavailable (retry in "
                 f"{self._breaker.retry_in():.1f}s): {self.last_error}")
         try:
-            result = op(self._client)
+            result = op(self._client if client is None else client)
         except redis.DataError:
             self._breaker.released()
             raise  # a value redis-py cannot encode: the caller's bug, not an outage
@@ -199,11 +236,18 @@ class RedisStore(KeyedStore):
             self._breaker.released()
             self._record(e)
             raise ConfigError(auth_message(f"Redis at {self._url_for_log}", e)) from None
+        except DeadlinePassed as e:  # slow is as bad as down, once the request went out
+            if not e.sent:
+                self._breaker.released()
+                raise RemoteDeadline(str(e), e.landed) from None
+            self._breaker.failed()
+            raise RemoteDeadline(f"remote tier {self._url_for_log} {what}: {self._record(e)}",
+                                 e.landed) from None
         except (redis.RedisError, OSError) as e:
             self._breaker.failed()
             reason = self._record(e)
-            raise RemoteUnavailable(f"remote tier {self._url_for_log} {what} failed: "
-                                    f"{reason}") from e
+            error = RemoteTimeout if what == "put" and timed_out(e) else RemoteUnavailable
+            raise error(f"remote tier {self._url_for_log} {what} failed: {reason}") from e
         self._breaker.succeeded()
         return result
 

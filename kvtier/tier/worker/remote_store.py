@@ -36,9 +36,11 @@ class KeyValueStore(Protocol):
         ...
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                      header_limit: int) -> list[bytes | Landed | RemoteUnavailable | None]:
+                      header_limit: int, deadline: float | None = None
+                      ) -> list[bytes | Landed | RemoteUnavailable | None]:
         """As `get_many`, but a value up to `header_limit` bytes longer than its `out` may
-        land in it (`Landed`); a store that cannot do that returns the bytes."""
+        land in it (`Landed`); a store that cannot do that returns the bytes. What has not
+        landed by `deadline` (`time.monotonic()`) is a `RemoteDeadline` per key."""
         ...
 
     def exists_many(self, keys: Sequence[bytes]) -> Sequence[bool | None]:

@@ -4,8 +4,10 @@
 header, verification (`block_format.check`, with the store's MAC where it has one), fault
 injection and the once-per-reason logging. A store only moves bytes:
   write(slots, headers, payloads) -> per block None or the error that kept it out
-  reads(keys, rows) -> BlockReads  one job's reads (a shared store fetches them in batches,
-                                   receiving payloads straight into the rows where it can)
+  reads(keys, rows, deadline) -> BlockReads  one job's reads (a shared store fetches them in
+                                   batches, receiving payloads straight into the rows where
+                                   it can, and stops at the fetch's deadline: the blocks not
+                                   landed by then are StoreMiss(DEADLINE))
   discard(key, slot)               a block that failed verification is never read again
   flush() / close() / describe()
 A new store is one more class with these methods (and a `SecondaryIndex` for its
@@ -33,7 +35,7 @@ from kvtier.tier.worker.block_format import (
     unpack,
 )
 from kvtier.tier.worker.remote_store import Landed
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.worker.unavailable import RemoteDeadline, RemoteUnavailable
 
 if TYPE_CHECKING:
     from kvtier.tier.worker.block_mac import BlockMac
@@ -92,8 +94,10 @@ class SecondaryStore(Protocol):
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
               payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]: ...
 
-    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> BlockReads:
-        """One fetch job's reads of `keys`, into `rows` (one per key) where the store can."""
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
+              deadline: float | None = None) -> BlockReads:
+        """One fetch job's reads of `keys`, into `rows` (one per key) where the store can;
+        what it fetches ahead stops at `deadline` (`time.monotonic()`; None: none)."""
         ...
 
     def discard(self, key: BlockKey, slot: int) -> None: ...
@@ -132,11 +136,9 @@ class DiskBlocks:
     def parallel_reads(self) -> bool:
         return not self.max_gbps  # a capped disk is paced one read at a time
 
-    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> DiskBlocks:
-        return self  # every read is one local pread, into its row
-
-    def ready(self, key: BlockKey) -> bool:
-        return True
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
+              deadline: float | None = None) -> _DiskReads:
+        return _DiskReads(self, deadline)  # every read is one local pread, into its row
 
     def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
         began = time.perf_counter()
@@ -164,6 +166,22 @@ class DiskBlocks:
                 time.sleep(left)
 
 
+class _DiskReads:
+    """One fetch's disk reads, each started only before the fetch's `deadline` (a read in
+    progress then is not interrupted: a fetch ends at most one block's read past it)."""
+
+    def __init__(self, blocks: DiskBlocks, deadline: float | None) -> None:
+        self.blocks, self.deadline = blocks, deadline
+
+    def ready(self, key: BlockKey) -> bool:
+        return True
+
+    def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise StoreMiss(Reason.DEADLINE, "the fetch's deadline passed before its read")
+        return self.blocks.read(key, slot, out)
+
+
 class RemoteBlocks:
     """A remote store's keys (one server or a cluster), batched into bounded round trips;
     every block signed with `mac` when the deployment has a secret."""
@@ -182,27 +200,31 @@ class RemoteBlocks:
             try:
                 outcomes = self.store.put_many(items[lo:hi])
             except RemoteUnavailable as e:  # this batch and every later one: not stored
-                errors[lo:] = [StoreMiss(Reason.UNAVAILABLE, str(e))] * (len(items) - lo)
+                errors[lo:] = [StoreMiss(e.reason, str(e))] * (len(items) - lo)
                 break
             for i, failed in enumerate(outcomes, lo):  # a cluster: one shard's keys only
                 if failed is not None:
-                    errors[i] = StoreMiss(Reason.UNAVAILABLE, str(failed))
+                    errors[i] = StoreMiss(failed.reason, str(failed))
         return errors
 
-    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview]) -> _RemoteReads:
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
+              deadline: float | None = None) -> _RemoteReads:
         blobs: dict[BlockKey, bytes | Landed | None] = {}
-        errors: dict[BlockKey, str] = {}
-        error = ""
+        errors: dict[BlockKey, RemoteUnavailable] = {}
+        error = RemoteUnavailable("")
         for lo, hi in batches([self.slot_bytes] * len(keys)):
+            if deadline is not None and time.monotonic() >= deadline:
+                error = RemoteDeadline("the fetch's deadline passed before its batch was sent")
+                break
             try:
                 values = self.store.get_many_into(keys[lo:hi], rows[lo:hi],
-                                                  REMOTE_HEADER_LIMIT)
+                                                  REMOTE_HEADER_LIMIT, deadline)
             except RemoteUnavailable as e:
-                error = str(e)
-                break  # the leading batches still serve; the rest is UNAVAILABLE
+                error = e
+                break  # the leading batches still serve; the rest misses for e's reason
             for key, value in zip(keys[lo:hi], values):
-                if isinstance(value, RemoteUnavailable):  # a cluster: that shard's keys only
-                    errors[key] = str(value)
+                if isinstance(value, RemoteUnavailable):  # one shard's, or past the deadline
+                    errors[key] = value
                 else:
                     blobs[key] = value
         return _RemoteReads(blobs, errors, error)
@@ -224,10 +246,11 @@ class RemoteBlocks:
 
 class _RemoteReads:
     """One job's blocks as the batches returned them (absent where a batch or a shard
-    failed: `errors` says why per key, `error` for the batches never sent)."""
+    failed, or the deadline passed: `errors` says why per key, `error` for the batches
+    never sent)."""
 
-    def __init__(self, blobs: dict[BlockKey, bytes | Landed | None], errors: dict[BlockKey, str],
-                 error: str) -> None:
+    def __init__(self, blobs: dict[BlockKey, bytes | Landed | None],
+                 errors: dict[BlockKey, RemoteUnavailable], error: RemoteUnavailable) -> None:
         self.blobs, self.errors, self.error = blobs, errors, error
 
     def ready(self, key: BlockKey) -> bool:
@@ -235,7 +258,8 @@ class _RemoteReads:
 
     def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
         if key not in self.blobs:
-            raise StoreMiss(Reason.UNAVAILABLE, self.errors.get(key, self.error))
+            error = self.errors.get(key, self.error)
+            raise StoreMiss(error.reason, str(error))
         blob = self.blobs[key]
         if blob is None:  # expired, evicted by Redis, or deleted since the lookup
             raise StoreMiss(Reason.MISSING, "absent")

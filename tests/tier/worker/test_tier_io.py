@@ -52,7 +52,8 @@ class SlowStore:
 
     parallel_reads = True  # its blocks are in a dict: any thread may read them
 
-    def reads(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> SlowStore:
+    def reads(self, keys: Sequence[bytes], rows: Sequence[memoryview],
+              deadline: float | None = None) -> SlowStore:
         self.log.append("fetch")
         return self
 
