@@ -144,6 +144,12 @@ def test_a_dummy_load_is_unshared_random_and_never_the_pin(tmp_path: Path) -> No
     assert first != weights_identity(str(model))
     pinned = weights_identity(str(model), pinned="registry/v7", load_format="dummy")
     assert not identity.is_shared(pinned)  # random weights are not the pinned model
+    # one engine's scheduler and workers agree (vLLM's instance id), no other engine does
+    one = weights_identity(str(model), load_format="dummy", instance="1764770000000000001")
+    assert one == weights_identity(str(model), load_format="dummy",
+                                   instance="1764770000000000001")
+    assert one != weights_identity(str(model), load_format="dummy",
+                                   instance="1764770000000000002")
 
 
 def test_a_load_format_kvtier_does_not_follow_is_unshared(tmp_path: Path) -> None:

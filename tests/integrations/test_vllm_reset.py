@@ -72,9 +72,17 @@ def test_weights_reloaded_in_a_running_vllm_and_reset_serve_nothing_old(
 
 def test_a_dummy_load_shares_nothing_with_a_real_vllm(
         vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    # A dummy-weights vLLM (host too small to keep A, so A's wake comes from Redis) serves
+    # its own blocks back: its scheduler and worker agree on its identity. A real vLLM on the
+    # same disk and Redis restores nothing of it.
     digests = tmp_path / "digests"
-    dummy = serve_a(vllm_python, smollm2_hf, tiers, digests, load_format="dummy")
-    assert dummy["metrics"]["vllm:kvtier_written_blocks{tier=remote}"] == 8  # its own keys
+    small = {"kv_offloading_size": 0.05, "remote_kv_url": tiers["remote_kv_url"]}
+    dummy = serve_a(vllm_python, smollm2_hf, small, digests, evict_and_wake=True,
+                    load_format="dummy")
+    assert dummy["metrics"]["vllm:kvtier_written_blocks{tier=remote}"] >= 8  # its own keys
+    woken = dummy["again"]["kv_transfer_params"]
+    assert (woken["kvtier_residency"], woken["kvtier_restored_tokens"]) == ("remote", FULL)
+    assert answer(dummy["again"]) == answer(dummy)
     real = serve_a(vllm_python, smollm2_hf, tiers, digests)  # same disk path, same Redis
     assert_restored_nothing(real)
     plain = serve_a(vllm_python, smollm2_hf, None, digests)

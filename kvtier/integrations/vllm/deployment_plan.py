@@ -148,8 +148,11 @@ def deployment_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     if own.model_identity_file is not None:
         pinned = read_identity_file(own.model_identity_file)
     fingerprint = Fingerprint(
+        # the engine's instance id (set once, pickled to every worker): its scheduler and
+        # workers agree on an unshared identity that no other engine or restart shares
         weights_digest=weights_identity(model.model, model.revision, pinned=pinned,
-                                        load_format=vllm_config.load_config.load_format),
+                                        load_format=vllm_config.load_config.load_format,
+                                        instance=str(getattr(vllm_config, "instance_id", ""))),
         architecture=_computes_with(vllm_config),
         # layers kept out of an 8-bit KV cache hold other bytes than the rest
         kv_dtype=f"{str(dtype).removeprefix('torch.')}/{cache.cache_dtype}/skip="

@@ -31,6 +31,7 @@ has no identity: its requests are neither looked up nor stored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -72,10 +73,16 @@ PATH_FIELDS = frozenset({"_name_or_path", "name_or_path", "transformers_version"
 Stamps = tuple[tuple[str, int, int, int, int, int], ...]  # (name, size, mtime, ctime, ino, dev)
 
 
-def unshared_identity(why: str) -> str:
-    """An identity of this process alone: its blocks are never found by another process or
-    after a restart (`why` is logged, and kept readable in the identity)."""
-    return f"{UNSHARED}{why}:{secrets.token_hex(16)}"
+def unshared_identity(why: str, instance: str = "") -> str:
+    """An identity of this engine alone: its blocks are never found by another engine or
+    after a restart (`why` is logged, and kept readable in the identity). `instance`: what
+    every process of one engine shares and no other engine has (vLLM's `instance_id`), so
+    its scheduler and workers agree on the identity; "" draws a random one."""
+    if instance:
+        token = hashlib.blake2b(f"{why}\x00{instance}".encode(), digest_size=16).hexdigest()
+    else:
+        token = secrets.token_hex(16)
+    return f"{UNSHARED}{why}:{token}"
 
 
 def is_shared(identity: str) -> bool:
@@ -83,15 +90,16 @@ def is_shared(identity: str) -> bool:
 
 
 def weights_identity(model: str, revision: str | None = None, pinned: str | None = None,
-                     load_format: str = "auto") -> str:
+                     load_format: str = "auto", instance: str = "") -> str:
     """Identity of the weights vLLM serves (see module doc); ConfigError when kvtier cannot
-    tell which weights they are."""
+    tell which weights they are. `instance`: as `unshared_identity`'s, for weights kvtier
+    cannot know."""
     fmt = str(getattr(load_format, "value", load_format)).lower()
     if fmt == "dummy":
         log.warning("kvtier: load_format=dummy: vLLM serves random weights, so kvtier caches "
                     "their KV under an identity of this process alone (never shared through "
                     "disk or Redis, never found after a restart)")
-        return unshared_identity("load_format=dummy")
+        return unshared_identity("load_format=dummy", instance)
     if pinned is not None:
         if not pinned.strip():
             raise ConfigError("model_identity is empty; give the version your model registry "
@@ -109,7 +117,7 @@ def weights_identity(model: str, revision: str | None = None, pinned: str | None
         log.warning("kvtier: load_format=%s reads files kvtier does not identify: their KV is "
                     "cached under an identity of this process alone (pin model_identity to "
                     "share it)", fmt)
-        return unshared_identity(f"load_format={fmt}")
+        return unshared_identity(f"load_format={fmt}", instance)
     if not files:
         raise ConfigError(f"{path} has no weight files that vLLM's load_format={fmt} reads "
                           "for kvtier to identify the weights by")
