@@ -97,7 +97,7 @@ def weights_identity(model: str, revision: str | None = None, pinned: str | None
     fmt = str(getattr(load_format, "value", load_format)).lower()
     if fmt == "dummy":
         log.warning("kvtier: load_format=dummy: vLLM serves random weights, so kvtier caches "
-                    "their KV under an identity of this process alone (never shared through "
+                    "their KV under an identity of this engine alone (never shared through "
                     "disk or Redis, never found after a restart)")
         return unshared_identity("load_format=dummy", instance)
     if pinned is not None:
@@ -115,7 +115,7 @@ def weights_identity(model: str, revision: str | None = None, pinned: str | None
     files = loaded_files(path, fmt)
     if files is None:
         log.warning("kvtier: load_format=%s reads files kvtier does not identify: their KV is "
-                    "cached under an identity of this process alone (pin model_identity to "
+                    "cached under an identity of this engine alone (pin model_identity to "
                     "share it)", fmt)
         return unshared_identity(f"load_format={fmt}", instance)
     if not files:
