@@ -12,6 +12,7 @@ from pathlib import Path
 from kvtier.errors import ConfigError
 from kvtier.tier.deadline import FETCH_DEADLINE_S
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
+from kvtier.tier.load_policy import LoadPolicy
 from kvtier.tier.redis_url import is_cluster_url, validate_url
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
@@ -83,6 +84,9 @@ class TierConfig:
 
     kv_offloading_size: float = 0.0  # GiB of host memory (pinned on CUDA); 0 = off
     eviction_policy: str = "lru"  # host tier: lru | arc
+    # Restore or recompute a prefix found in the tier: auto (the planner) | always | never |
+    # threshold:TOKENS:INFLIGHT (a fixed rule to compare against, load_policy.py)
+    load_policy: str = "auto"
     max_load_tokens: int | None = None  # per request; the rest is recomputed
     blocks_per_chunk: int = 16
     # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
@@ -160,6 +164,7 @@ class TierConfig:
             raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
         if self.max_store_gbps is not None and not self.max_store_gbps > 0:
             raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
+        LoadPolicy.parse(self.load_policy)
         self._validate_deep_tiers()
         check_bounds(self, BOUNDS)
 

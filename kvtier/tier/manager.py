@@ -33,6 +33,7 @@ from kvtier.tier.config import TierConfig
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
+from kvtier.tier.load_policy import LoadPolicy
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
@@ -102,6 +103,7 @@ class TierManager:
         self.block_bytes = block_bytes  # bytes of one block across the host link
         self.below = below  # the tiers below host; empty (and false) when there are none
         self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
+        self.load_policy = LoadPolicy.parse(config.load_policy)  # restore or recompute
         self.stats = TransferCounts()
         self._ids = ids
         self._pending: dict[int, _Pending] = {}
@@ -122,6 +124,12 @@ class TierManager:
     def busy(self) -> bool:
         """A job decided or running, or a presence answer awaited."""
         return bool(self._pending) or self.below.busy
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Host -> device loads and fetches up to host decided and not landed."""
+        loads = sum(1 for p in self._pending.values() if p.job.dst is Medium.DEVICE)
+        return loads + sum(1 for p in self.below.jobs.values() if p.job.dst is Medium.HOST)
 
     @property
     def below_host(self) -> bool:
@@ -195,8 +203,10 @@ class TierManager:
         if hits == 0:
             return Match(declined_tokens=extra) if extra else NO_MATCH
         restored = sum(len(t) for t in tokens[:hits])
-        mode = "swap" if preempted else "auto"  # a swap was already judged worth it
-        decision = self.planner.decide(restored, hits * self.block_bytes, mode)
+        decision = (self.planner.decide(restored, hits * self.block_bytes, "swap")
+                    if preempted else  # a swap was already judged worth it
+                    self.load_policy.decide(self.planner, restored, hits * self.block_bytes,
+                                            self.loads_in_flight))
         if decision.choice == "recompute":
             return Match(declined_tokens=restored + extra, decision=decision)
         return Match(tuple(keys[:hits]), restored, extra, decision,
@@ -215,8 +225,9 @@ class TierManager:
                                                        below.block_bytes, cap))
         state.declined_tokens += (len(media) - n) * self.block_size
         via = below.deepest(media[:n]).value
-        decision = self.planner.decide(n * self.block_size, n * self.block_bytes, "auto",
-                                       via, via_nbytes=n * below.block_bytes)
+        decision = self.load_policy.decide(self.planner, n * self.block_size,
+                                           n * self.block_bytes, self.loads_in_flight, via,
+                                           via_nbytes=n * below.block_bytes)
         if decision.choice == "recompute":
             state.declined_tokens += n * self.block_size
             return False

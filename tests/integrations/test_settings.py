@@ -70,6 +70,7 @@ def test_numeric_knobs_are_found() -> None:
     ({"model_identity": 7}, "model_identity=7 is a int; it must be a string or null"),
     ({"model_identity": "v7", "model_identity_file": "/etc/v"}, "both name the weights"),
     ({"model_identity_file": 3}, "model_identity_file=3 is a int"),
+    ({"load_policy": "threshold:1024"}, "load_policy='threshold:1024': threshold needs two"),
     ({"enable_residency_details": "yes"}, "must be true or false"),
 ])
 def test_connector_knobs_are_checked_too(extra: dict, message: str) -> None:

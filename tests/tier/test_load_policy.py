@@ -1,0 +1,83 @@
+"""`load_policy`: the planner, or a fixed rule to hold it against, deciding whether a prefix
+found in the tier is loaded (tiny numbers, no torch: the test answers the jobs)."""
+
+import pytest
+from test_manager import BS, CHUNKS, KEYS, manager, run
+
+from kvtier.errors import ConfigError
+from kvtier.tier import TierConfig
+from kvtier.tier.keys import Medium
+from kvtier.tier.load_policy import LoadPolicy, LoadRule
+from kvtier.tier.manager import FETCHING
+from kvtier.tier.planner import Calibration
+
+SLOW_LINK = Calibration(link_gbps=1e-9, transfer_overhead_s=0.0, prefill_tokens_per_s=1e9)
+
+
+def stored(policy: str, calibration: Calibration | None = None, slots: int = 8):
+    """A manager under `policy` whose host holds blocks 0-3."""
+    m = manager(slots=slots, load_policy=policy,
+                **({"calibration": calibration} if calibration else {}))
+    m.store([1, 2, 3, 4], KEYS[:4], CHUNKS[:4])
+    run(m)
+    return m
+
+
+@pytest.mark.parametrize(("text", "policy"), [
+    ("auto", LoadPolicy()), ("always", LoadPolicy(LoadRule.ALWAYS)),
+    (" Never ", LoadPolicy(LoadRule.NEVER)),
+    ("threshold:1024:8", LoadPolicy(LoadRule.THRESHOLD, 1024, 8))])
+def test_the_policies_parse(text: str, policy: LoadPolicy) -> None:
+    assert LoadPolicy.parse(text) == policy
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("sometimes", "is not one of auto"), ("threshold", "two whole numbers"),
+    ("threshold:1k:8", "two whole numbers"), ("threshold:-1:8", "TOKENS must be >= 0"),
+    ("threshold:1024:0", "INFLIGHT >= 1"), ("always:3", "takes no arguments"),
+    (7, "is not a string")])
+def test_a_bad_policy_is_a_clear_error(text, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LoadPolicy.parse(text)
+    with pytest.raises(ConfigError):
+        TierConfig(kv_offloading_size=1, load_policy=text).validate()
+
+
+def test_always_restores_what_the_planner_would_recompute_and_never_the_reverse() -> None:
+    # a link so slow the planner recomputes: "always" restores anyway; with a fast link the
+    # planner restores: "never" recomputes, counted as declined
+    m = stored("always", SLOW_LINK)
+    assert m.match("r", KEYS[:4], CHUNKS[:4]).load_keys == tuple(KEYS[:4])
+    assert stored("auto", SLOW_LINK).match("r", KEYS[:4], CHUNKS[:4]).load_keys == ()
+    never = stored("never").match("r", KEYS[:4], CHUNKS[:4])
+    assert never.load_keys == () and never.declined_tokens == 4 * BS
+    assert never.decision is not None and never.decision.choice == "recompute"
+
+
+def test_threshold_loads_long_prefixes_while_few_loads_are_in_flight() -> None:
+    # threshold:8:1 -> a 4-token prefix is recomputed; an 8-token one is loaded; a second
+    # one while that load is in flight is recomputed; once it lands, loaded again
+    m = stored("threshold:8:1")
+    assert m.match("short", KEYS[:1], CHUNKS[:1]).load_keys == ()
+    first = m.match("a", KEYS[:2], CHUNKS[:2])
+    assert first.load_keys == tuple(KEYS[:2])
+    m.allocated("a", first, [5, 6])
+    assert m.loads_in_flight == 1
+    assert m.match("b", KEYS[:3], CHUNKS[:3]).load_keys == ()
+    run(m)  # a's load lands
+    assert m.loads_in_flight == 0
+    assert m.match("c", KEYS[:3], CHUNKS[:3]).load_keys == tuple(KEYS[:3])
+
+
+def test_the_policy_decides_fetches_below_host_too() -> None:
+    # blocks on disk only: "never" starts no fetch; "always" does
+    for policy, fetches in (("never", False), ("always", True)):
+        m = manager(below=True, slots=4, load_policy=policy)
+        m.store([1, 2], KEYS[:2], CHUNKS[:2])
+        run(m)
+        run(m)  # the writes down land
+        m.host.remove(KEYS[:2])
+        got = m.match("r", KEYS[:2], CHUNKS[:2])
+        assert (got is FETCHING) == fetches
+        jobs = m.take_jobs()
+        assert bool(jobs) == fetches and all(j.src is Medium.DISK for j in jobs)
