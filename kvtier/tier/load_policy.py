@@ -1,7 +1,8 @@
 """Whether a prefix found in the tier is loaded or recomputed: the planner, or a fixed rule to
 hold it against (`load_policy`, parsed once from the user's string).
 
-    auto                      the planner: restore when kv_bytes / rate beats the prefill
+    auto                      the planner: restore when kv_bytes / rate, after what is
+                              queued ahead on the same path, beats the prefill
     always                    restore whatever was found (the "always load" baseline)
     never                     recompute everything (the tier stores, nothing is loaded)
     threshold:TOKENS:INFLIGHT restore a prefix of at least TOKENS tokens while fewer than
@@ -59,11 +60,17 @@ class LoadPolicy:
         return cls(rule, min_tokens, max_inflight)
 
     def decide(self, planner: Planner, tokens: int, nbytes: int, inflight: int,
-               via: str | None = None, via_nbytes: int | None = None) -> Decision:
+               via: str | None = None, via_nbytes: int | None = None, ahead_s: float = 0.0
+               ) -> Decision:
         """The verdict for a prefix of `tokens` found in the tier (`nbytes` across the host
-        link, first fetched from `via` if given) while `inflight` loads and fetches run; the
-        planner's predictions are kept whichever rule decides."""
+        link, first fetched from `via` if given) while `inflight` loads and fetches run, with
+        `ahead_s` seconds of them queued ahead of this one on its path (the planner charges
+        them to the restore); the planner's predictions are kept whichever rule decides."""
         decision = planner.decide(tokens, nbytes, "auto", via, via_nbytes)
+        if ahead_s > 0:
+            restore_s = decision.restore_s + ahead_s
+            decision = replace(decision, restore_s=restore_s, choice=(
+                "restore" if restore_s < decision.recompute_s else "recompute"))
         if self.rule is LoadRule.AUTO:
             return decision
         if self.rule is LoadRule.THRESHOLD:

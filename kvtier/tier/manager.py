@@ -34,33 +34,11 @@ from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
 from kvtier.tier.load_policy import LoadPolicy
+from kvtier.tier.match import FETCHING, NO_MATCH, Match
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
 from kvtier.tier.residency_log import ResidencyChange, ResidencyLog
-
-
-@dataclass(frozen=True)
-class Match:
-    """Where the blocks after the device prefix can come from, for one request."""
-
-    load_keys: tuple[BlockKey, ...] = ()  # host blocks to load, in order
-    restored_tokens: int = 0  # tokens those blocks cover
-    declined_tokens: int = 0  # found (host or below) but the planner chose to recompute
-    decision: Decision | None = None
-    fetched_from: Medium | None = None  # a fetch brought (some of) these blocks up to host
-    fetching: bool = False  # not yet: a fetch below host is on its way (ask again after it)
-
-    @property
-    def residency(self) -> Medium | None:
-        """Where the restored state came from, if any is restored."""
-        if not self.load_keys:
-            return None
-        return self.fetched_from or Medium.HOST
-
-
-NO_MATCH = Match()
-FETCHING = Match(fetching=True)
 
 
 @dataclass
@@ -130,6 +108,19 @@ class TierManager:
         """Host -> device loads and fetches up to host decided and not landed."""
         loads = sum(1 for p in self._pending.values() if p.job.dst is Medium.DEVICE)
         return loads + sum(1 for p in self.below.jobs.values() if p.job.dst is Medium.HOST)
+
+    def _ahead_s(self, via: str | None = None) -> float:
+        """Seconds of transfers a new load would queue behind: the host -> device loads in
+        flight at the link's rate, and (fetched from `via` first) the fetches from that tier
+        not landed at its rate."""
+        link = sum(p.job.num_blocks for p in self._pending.values()
+                   if p.job.dst is Medium.DEVICE) * self.block_bytes
+        seconds = link / (self.planner.calibration.link_gbps * 1e9)
+        if via is not None:
+            queued = sum(p.job.num_blocks for p in self.below.jobs.values()
+                         if p.job.dst is Medium.HOST and p.job.src.value == via)
+            seconds += queued * self.below.block_bytes / (self.planner.tier_gbps(via) * 1e9)
+        return seconds
 
     @property
     def below_host(self) -> bool:
@@ -206,7 +197,7 @@ class TierManager:
         decision = (self.planner.decide(restored, hits * self.block_bytes, "swap")
                     if preempted else  # a swap was already judged worth it
                     self.load_policy.decide(self.planner, restored, hits * self.block_bytes,
-                                            self.loads_in_flight))
+                                            self.loads_in_flight, ahead_s=self._ahead_s()))
         if decision.choice == "recompute":
             return Match(declined_tokens=restored + extra, decision=decision)
         return Match(tuple(keys[:hits]), restored, extra, decision,
@@ -227,7 +218,8 @@ class TierManager:
         via = below.deepest(media[:n]).value
         decision = self.load_policy.decide(self.planner, n * self.block_size,
                                            n * self.block_bytes, self.loads_in_flight, via,
-                                           via_nbytes=n * below.block_bytes)
+                                           via_nbytes=n * below.block_bytes,
+                                           ahead_s=self._ahead_s(via))
         if decision.choice == "recompute":
             state.declined_tokens += n * self.block_size
             return False

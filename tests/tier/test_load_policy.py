@@ -81,3 +81,38 @@ def test_the_policy_decides_fetches_below_host_too() -> None:
         assert (got is FETCHING) == fetches
         jobs = m.take_jobs()
         assert bool(jobs) == fetches and all(j.src is Medium.DISK for j in jobs)
+
+
+def test_the_planner_charges_loads_already_in_flight_to_the_next_restore() -> None:
+    # a link of 120 KB/s, prefill 200 tokens/s: 2 blocks restore in 17 ms against 40 ms of
+    # recompute -> restored alone; behind a 4-block load still in flight (33 ms ahead) the
+    # same restore would end at 50 ms -> recomputed; once that load landed, restored again
+    link = Calibration(link_gbps=1.2e-4, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
+    m = stored("auto", link)
+    m.store([5, 6, 7, 8], KEYS[4:8], CHUNKS[4:8])
+    run(m)
+    a = m.match("a", KEYS[:4], CHUNKS[:4])
+    assert a.load_keys == tuple(KEYS[:4])
+    m.allocated("a", a, [11, 12, 13, 14])
+    behind = m.match("b", KEYS[4:6], CHUNKS[4:6])
+    assert behind.load_keys == () and behind.declined_tokens == 2 * BS
+    assert behind.decision.restore_s == pytest.approx(0.05)
+    assert behind.decision.recompute_s == pytest.approx(0.04)
+    run(m)  # a's load lands
+    assert m.match("c", KEYS[4:6], CHUNKS[4:6]).load_keys == tuple(KEYS[4:6])
+
+
+def test_a_fetch_is_charged_the_fetches_queued_ahead_on_its_tier() -> None:
+    # disk at 100 KB/s, prefill 100 tokens/s: a 1-block fetch (10 ms + the link) beats 40 ms
+    # of recompute alone, not behind a 4-block fetch from the same disk (40 ms ahead)
+    m = manager(below=True, slots=8,
+                calibration=Calibration(link_gbps=10.0, transfer_overhead_s=0.0,
+                                        prefill_tokens_per_s=100.0))
+    m.planner.calibration.tier_gbps["disk"] = 1e-4
+    m.store([1, 2, 3, 4, 5], KEYS[:5], CHUNKS[:5])
+    run(m)
+    run(m)  # the writes down land
+    m.host.remove(KEYS[:5])
+    assert m.match("a", KEYS[:4], CHUNKS[:4]) is FETCHING  # 40 ms of disk vs 160 ms
+    decided = m.match("b", KEYS[4:5], CHUNKS[4:5])
+    assert decided is not FETCHING and decided.declined_tokens == BS
