@@ -5,8 +5,7 @@ at start, and a node's keys sent as one pipeline."""
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -16,6 +15,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvtier.tier.redis_url import ClusterUrl
+from kvtier.tier.worker.per_node import PerNode
 from kvtier.tier.worker.redis_direct import AUTH_ERRORS
 
 log = logging.getLogger(__name__)
@@ -31,20 +31,16 @@ Command = Callable[[Any, int], None]
 # Runs one node's keys (by index; those in the set go after an ASKING): a reply or an
 # exception per key.
 NodeCall = Callable[[RedisCluster, ClusterNode, list[int], set[int]], list[Any]]
-# The redis-py client a node's pipeline goes through.
-NodeClient = Callable[[RedisCluster, ClusterNode], redis.Redis]
 
 
-def cluster_connection(client: RedisCluster, node: ClusterNode) -> redis.Redis:
-    return client.get_redis_connection(node)
-
-
-def pipelined(command: Command, connection: NodeClient = cluster_connection) -> NodeCall:
+def pipelined(command: Command, clients: PerNode[redis.Redis] | None = None) -> NodeCall:
     """A node's keys as one redis-py pipeline of `command`s on that node's connection (the
-    cluster client's, or `connection`'s)."""
+    cluster client's, or the node's own in `clients`)."""
     def run(client: RedisCluster, node: ClusterNode, indices: list[int],
             asking: set[int]) -> list[Any]:
-        pipe = connection(client, node).pipeline(transaction=False)
+        conn = (client.get_redis_connection(node) if clients is None else
+                clients.get(node.name, (node.host, int(node.port))))
+        pipe = conn.pipeline(transaction=False)
         for i in indices:
             if i in asking:
                 pipe.execute_command("ASKING")
@@ -76,36 +72,17 @@ def connect(spec: ClusterUrl, timeout_s: float, read_replicas: bool) -> RedisClu
     return client
 
 
-class NodeWriters:
+def node_writers(spec: ClusterUrl, timeout_s: float, write_timeout_s: float
+                 ) -> PerNode[redis.Redis]:
     """A redis-py client per node for writes, waiting `write_timeout_s` for each (the
-    cluster client's connections keep the read timeout); made on first use, closed when
-    the node leaves the slot map."""
+    cluster client's connections keep the read timeout)."""
+    options = {**_connection_options(spec, write_timeout_s), "socket_connect_timeout": timeout_s,
+               "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))}
 
-    def __init__(self, spec: ClusterUrl, timeout_s: float, write_timeout_s: float) -> None:
-        self._options = {**_connection_options(spec, write_timeout_s),
-                         "socket_connect_timeout": timeout_s,
-                         "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))}
-        self._clients: dict[str, redis.Redis] = {}
-        self._lock = threading.Lock()
+    def make(address: tuple[str, int]) -> redis.Redis:
+        return redis.Redis(host=address[0], port=address[1], **options)
 
-    def get(self, client: RedisCluster, node: ClusterNode) -> redis.Redis:
-        with self._lock:
-            writer = self._clients.get(node.name)
-            if writer is None:
-                writer = self._clients[node.name] = redis.Redis(
-                    host=node.host, port=int(node.port), **self._options)
-            return writer
-
-    def keep(self, names: Collection[str]) -> None:
-        """Close the clients of nodes not in `names` (they left the slot map)."""
-        with self._lock:
-            gone = [c for name, c in self._clients.items() if name not in names]
-            self._clients = {n: c for n, c in self._clients.items() if n in names}
-        for writer in gone:
-            writer.close()
-
-    def close(self) -> None:
-        self.keep(())
+    return PerNode(make)
 
 
 def _ping_a_master(client: RedisCluster) -> None:

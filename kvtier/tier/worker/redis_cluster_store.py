@@ -37,12 +37,12 @@ from kvtier.tier.worker.redis_cluster_client import (
     CLUSTER_EXAMPLE,
     OUTAGES,
     NodeCall,
-    NodeWriters,
     connect,
+    node_writers,
     pipelined,
     warn_settings,
 )
-from kvtier.tier.worker.redis_direct import AUTH_ERRORS, DeadlinePassed, NodeReaders
+from kvtier.tier.worker.redis_direct import AUTH_ERRORS, DeadlinePassed, node_readers
 from kvtier.tier.worker.redis_store import (
     KeyedStore,
     auth_message,
@@ -80,10 +80,10 @@ class ClusterStore(KeyedStore):
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="kvtier-cluster")
         # fetches into host rows, a connection of its own per node (redis_direct.py); TLS:
         # bytes through redis-py
-        self._readers = None if self._spec.tls else NodeReaders(
+        self._readers = None if self._spec.tls else node_readers(
             timeout_s, username=self._spec.username, password=self._spec.password,
             client_name=dict(self._spec.options).get("client_name"), readonly=read_replicas)
-        self._writers = (NodeWriters(self._spec, timeout_s, write_timeout_s)  # own timeout
+        self._writers = (node_writers(self._spec, timeout_s, write_timeout_s)  # own timeout
                          if write_timeout_s is not None and write_timeout_s != timeout_s else None)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
@@ -93,8 +93,7 @@ class ClusterStore(KeyedStore):
         def put(pipe: Any, i: int) -> None:
             pipe.set(names[i], items[i][1], px=self._px)
 
-        call = pipelined(put) if self._writers is None else pipelined(put, self._writers.get)
-        out = self._batch("put", names, call, write=True)
+        out = self._batch("put", names, pipelined(put, self._writers), write=True)
         return [v if isinstance(v, RemoteUnavailable) else None for v in out]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
@@ -291,10 +290,8 @@ class ClusterStore(KeyedStore):
             self._record(e)
             raise ConfigError(auth_message(f"Redis Cluster node {node.name}", e,
                                            CLUSTER_EXAMPLE)) from None
-        except DeadlinePassed as e:  # slow is as bad as down, once the request went out
-            (breaker.failed if e.sent else breaker.released)()
-            return RemoteDeadline(f"remote tier {self._url_for_log} {what} on node "
-                                  f"{node.name}: {self._record(e) if e.sent else e}", e.landed)
+        except DeadlinePassed as e:
+            return self._late(e, breaker, f"{what} on node {node.name}")
         except OUTAGES as e:
             breaker.failed()
             error = RemoteTimeout if what == "put" and timed_out(e) else RemoteUnavailable

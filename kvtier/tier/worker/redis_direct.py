@@ -30,6 +30,7 @@ import redis
 from redis.connection import parse_url
 from redis.exceptions import AskError, MovedError, NoPermissionError
 
+from kvtier.tier.worker.per_node import PerNode
 from kvtier.tier.worker.remote_store import Landed
 
 RECV_CHUNK = 64 << 10  # a status line or a small value is read in chunks of this size
@@ -327,36 +328,14 @@ class DirectReader:
         self._buf += chunk
 
 
-class NodeReaders:
-    """A `DirectReader` per cluster node (by its "host:port" name), made on first use and
-    closed when the node leaves the slot map; every one with the cluster's credentials."""
+def node_readers(timeout_s: float, *, username: str | None, password: str | None,
+                 client_name: str | None, readonly: bool) -> PerNode[DirectReader]:
+    """A `DirectReader` per cluster node, every one with the cluster's credentials."""
+    def make(address: tuple[str, int]) -> DirectReader:
+        return DirectReader(address, timeout_s, username=username, password=password,
+                            client_name=client_name, readonly=readonly)
 
-    def __init__(self, timeout_s: float, *, username: str | None, password: str | None,
-                 client_name: str | None, readonly: bool) -> None:
-        self._timeout_s = timeout_s
-        self._options: dict[str, Any] = {"username": username, "password": password,
-                                         "client_name": client_name, "readonly": readonly}
-        self._readers: dict[str, DirectReader] = {}
-        self._lock = threading.Lock()
-
-    def get(self, name: str, address: tuple[str, int]) -> DirectReader:
-        with self._lock:
-            reader = self._readers.get(name)
-            if reader is None:
-                reader = self._readers[name] = DirectReader(address, self._timeout_s,
-                                                            **self._options)
-            return reader
-
-    def keep(self, names: Collection[str]) -> None:
-        """Close the readers of nodes not in `names` (they left the slot map)."""
-        with self._lock:
-            gone = [r for name, r in self._readers.items() if name not in names]
-            self._readers = {n: r for n, r in self._readers.items() if n in names}
-        for reader in gone:
-            reader.close()
-
-    def close(self) -> None:
-        self.keep(())
+    return PerNode(make)
 
 
 def number(line: bytes) -> int:

@@ -127,6 +127,17 @@ class KeyedStore(ABC):
             self.last_error = reason
         return reason
 
+    def _late(self, e: DeadlinePassed, breaker: Breaker, where: str) -> RemoteDeadline:
+        """A fetch cut at its deadline: once the request went out, slow counts as failing
+        (the breaker opens, the error is recorded); before that, nothing was learned."""
+        if e.sent:
+            breaker.failed()
+            detail = self._record(e)
+        else:
+            breaker.released()
+            detail = str(e)
+        return RemoteDeadline(f"remote tier {self._url_for_log} {where}: {detail}", e.landed)
+
 
 class RedisStore(KeyedStore):
     """Batched byte store over one Redis/Valkey server, each batch one round trip;
@@ -236,13 +247,8 @@ class RedisStore(KeyedStore):
             self._breaker.released()
             self._record(e)
             raise ConfigError(auth_message(f"Redis at {self._url_for_log}", e)) from None
-        except DeadlinePassed as e:  # slow is as bad as down, once the request went out
-            if not e.sent:
-                self._breaker.released()
-                raise RemoteDeadline(str(e), e.landed) from None
-            self._breaker.failed()
-            raise RemoteDeadline(f"remote tier {self._url_for_log} {what}: {self._record(e)}",
-                                 e.landed) from None
+        except DeadlinePassed as e:
+            raise self._late(e, self._breaker, what) from None
         except (redis.RedisError, OSError) as e:
             self._breaker.failed()
             reason = self._record(e)
