@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
-from redis_server import RedisServer, redis_server_binary
+from redis_server import RedisServer
 from vllm_run import ONE_PROCESS, parse, prompts, run_vllm
 
 pytestmark = pytest.mark.vllm
@@ -25,19 +24,15 @@ V_PROJ = "model.layers.0.self_attn.v_proj.weight"
 LORA_RANK = 8
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    server = RedisServer(redis_server_binary())
-    server.start()
-    yield server.url
-    server.close()
-
-
-@pytest.fixture
-def tiers(tmp_path: Path, redis_url: str) -> dict[str, Any]:
+def all_tiers(tmp_path: Path, redis_url: str) -> dict[str, Any]:
     """Host, disk and Redis: a block written by one vLLM is found by the next on either."""
     return {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
             "disk_kv_size": 0.1, "remote_kv_url": redis_url}
+
+
+@pytest.fixture
+def tiers(tmp_path: Path, redis_server: RedisServer) -> dict[str, Any]:
+    return all_tiers(tmp_path, redis_server.url)
 
 
 def serve_a(python: Path, model: Path, connector: dict[str, Any] | None, digests: Path,

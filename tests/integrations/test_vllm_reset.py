@@ -6,13 +6,18 @@ Tokens and logprobs are compared with vLLM computing them itself."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_server import RedisServer, redis_server_binary
-from test_vllm_identity import V_PROJ, assert_restored_nothing, scale_and_resave, serve_a
+from redis_server import RedisServer
+from test_vllm_identity import (
+    V_PROJ,
+    all_tiers,
+    assert_restored_nothing,
+    scale_and_resave,
+    serve_a,
+)
 from vllm_run import ONE_PROCESS, parse, prompts, run_vllm
 
 pytestmark = pytest.mark.vllm
@@ -22,17 +27,8 @@ FULL = 7 * 128  # every full block of the 1024-token prompt but the last
 
 
 @pytest.fixture
-def redis_url() -> Iterator[str]:
-    server = RedisServer(redis_server_binary())
-    server.start()
-    yield server.url
-    server.close()
-
-
-@pytest.fixture
-def tiers(tmp_path: Path, redis_url: str) -> dict[str, Any]:
-    return {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
-            "disk_kv_size": 0.1, "remote_kv_url": redis_url}
+def tiers(tmp_path: Path, redis_server: RedisServer) -> dict[str, Any]:
+    return all_tiers(tmp_path, redis_server.url)
 
 
 def answer(run: dict[str, Any]) -> tuple[Any, Any]:
