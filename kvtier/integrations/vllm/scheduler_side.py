@@ -35,15 +35,14 @@ Each request's wake is timed mark by mark (`wake_timeline.py`, in its kv_transfe
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.integrations.vllm.counters import tier_counters
 from kvtier.integrations.vllm.events import UNPUBLISHED, BlockRecorder
 from kvtier.integrations.vllm.groups import Window
+from kvtier.integrations.vllm.request_state import RequestState, Scheduled, group_key
 from kvtier.integrations.vllm.wake_timeline import WakeTimeline
 from kvtier.tier import (
     NO_MATCH,
@@ -57,40 +56,6 @@ from kvtier.tier import (
     TierManager,
     hash_blocks,
 )
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """One request in this step: its blocks so far (one list per KV cache group) and tokens
-    computed once it has run."""
-
-    request_id: str
-    block_ids: Sequence[Sequence[int]]
-    computed_after: int
-
-
-def group_key(key: BlockKey, tag: bytes) -> BlockKey:
-    """Block `key`'s name in one KV cache group ("" for a model with one group: its key)."""
-    return key if not tag else hashlib.blake2b(key + tag, digest_size=16).digest()
-
-
-@dataclass
-class _Request:
-    tokens: Sequence[int]  # the live token ids (prompt and output so far)
-    namespace: BlockKey
-    prompt_len: int  # a window group stores the window before the prompt's hit boundary
-    keys: list[BlockKey] = field(default_factory=list)  # the chain, group-free
-    group_keys: list[list[BlockKey]] = field(default_factory=list)  # per group, as far
-    stored: int = 0  # leading full blocks handed to the tier (stored, or loaded from it)
-    match: Match = NO_MATCH
-    local_blocks: int = 0  # vLLM's own prefix hit when `match` was made
-    need: list[tuple[int, int]] = field(default_factory=list)  # (group, block) `match` loads
-    offered: int = 0  # tokens `match` let vLLM skip computing (from its own hit on)
-    looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
-    counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
-    restored: int = 0  # tokens vLLM skipped computing because a load of ours landed
-    stale: bool = False  # alive at a cache reset: its KV may be the old weights'
-    timeline: WakeTimeline = field(default_factory=WakeTimeline.start)  # from the first ask
 
 
 class SchedulerSide:
@@ -113,7 +78,7 @@ class SchedulerSide:
                      for g in range(len(windows))]
         self._invalid: set[int] = set()  # device blocks vLLM must recompute (take_invalid)
         self._sending: list[str] = []  # finished requests whose blocks vLLM holds for us
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._counts: Counter[str] = Counter()  # since the last take_stats
         # load job -> its request, the tokens it spares vLLM, its blocks per group
         self._restoring: dict[int, tuple[str, int, Counter[int]]] = {}
@@ -166,7 +131,7 @@ class SchedulerSide:
             need += [(g, i) for i in range(first, end)]
         return need
 
-    def _whole_end(self, st: _Request, d: int, last: int) -> int:
+    def _whole_end(self, st: RequestState, d: int, last: int) -> int:
         """The longest hit every group's blocks of which the host or the local disk holds
         whole (probed without side effects: `match` then verifies them, and fetches what is
         on disk); `last` when none: the lookup then asks every tier below host for it."""
@@ -262,7 +227,7 @@ class SchedulerSide:
         self._sending.append(request_id)
         return True
 
-    def _store(self, request_id: str, st: _Request, block_ids: Sequence[Sequence[int]],
+    def _store(self, request_id: str, st: RequestState, block_ids: Sequence[Sequence[int]],
                kept: list[tuple[int, int]]) -> tuple[int, ...] | None:
         """Hand the `kept` (group, block) to the host tier: the device blocks its job reads,
         or None if it had no room; what it took is told to the recorder."""
@@ -378,7 +343,7 @@ class SchedulerSide:
         w = self.windows[g]
         return f"{g}:full" if w is None else f"{g}:window={w.tokens}"
 
-    def _kept(self, st: _Request, g: int, i: int) -> bool:
+    def _kept(self, st: RequestState, g: int, i: int) -> bool:
         """Whether block `i` of group `g` is worth storing: every block of full attention;
         of a window, those a re-sent prompt's hit reads (the window before its boundary)."""
         w = self.windows[g]
@@ -387,19 +352,19 @@ class SchedulerSide:
         end = (st.prompt_len - 1) // self.block_size
         return w.first_needed(end) <= i < end
 
-    def _chunk(self, st: _Request, i: int) -> Sequence[int]:
+    def _chunk(self, st: RequestState, i: int) -> Sequence[int]:
         return st.tokens[i * self.block_size:(i + 1) * self.block_size]
 
     def _state(self, request_id: str, tokens: Sequence[int], salt: str,
-               prompt_len: int | None = None) -> _Request:
+               prompt_len: int | None = None) -> RequestState:
         st = self.requests.get(request_id)
         if st is None:
-            st = self.requests[request_id] = _Request(
+            st = self.requests[request_id] = RequestState(
                 tokens, self.namespace(salt),
                 len(tokens) if prompt_len is None else prompt_len)
         return st
 
-    def _keys(self, st: _Request, full: int) -> None:
+    def _keys(self, st: RequestState, full: int) -> None:
         """The chain over the first `full` blocks, and each group's keys of them (extended,
         never recomputed)."""
         have = len(st.keys)
