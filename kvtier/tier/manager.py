@@ -277,8 +277,7 @@ class TierManager:
         """Drop every host block no job pins (no key of the old identity is asked for again,
         so their room is better given back now); how many were dropped. Blocks below host
         stay: a process on the weights they were computed with may still find them."""
-        dropped = self.host.remove(self.host.complete_keys())
-        return dropped
+        return self.host.remove(self.host.complete_keys())
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         """Drop a request's swap entries (pinned ones, still loading, are kept)."""
