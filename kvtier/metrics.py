@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
+from kvtier.tier.load_policy import Decline
 
 if TYPE_CHECKING:
     from kvtier.output import RequestOutput
@@ -231,6 +232,9 @@ class EngineCollector:
                       "Host tier transfers that failed (their tokens are recomputed).",
                       "direction", {"store": _num(tier, "failed_stores"),
                                     "load": _num(tier, "failed_loads")})
+        yield _family(CounterMetricFamily, "declined",
+                      "Requests that recomputed tokens found in the tier, by reason.", "reason",
+                      {r.value: _num(tier.get("declined"), r.value) for r in Decline})
         yield from _deep_families(s.get("tiers_below_host") or {})
         yield GaugeMetricFamily(f"{PREFIX}requests_running", "Requests running now.",
                                 value=running)

@@ -106,6 +106,7 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
         "failed_loads": counts.failed_loads, "failed_stores": counts.failed_stores,
         "store_refused": counts.store_refused, "tier_hits": ts.hits,
         "tier_evictions": ts.evictions,
+        "declined": dict(ms.declined),  # admitted requests per reason they recomputed
         "planner": {"calibration": dict(ms.calibration), "error": dict(ms.prediction_error)},
     }
     report["tiers_below_host"] = below_host_stats(ms, wr.stores)

@@ -52,7 +52,9 @@ class AdmissionPlan:
 
 
 def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,
-                   tier: TierClient | NullTier, block_size: int) -> AdmissionPlan | None:
+                   tier: TierClient | NullTier, block_size: int, compute_ahead: int = 0
+                   ) -> AdmissionPlan | None:
+    """`compute_ahead`: prompt tokens admitted before `seq` and not yet computed."""
     prefix = kv.find_cached_prefix(namespace, seq.token_ids)
     d = len(prefix.block_ids)
     swapped = seq.swapped
@@ -60,7 +62,8 @@ def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,
         keys, tokens = swapped.keys[d:], swapped.tokens[d:]
     else:
         keys, tokens = prefix.keys[d:], prefix.chunks[d:]
-    match = tier.match(seq.request_id, keys, tokens, preempted=swapped is not None)
+    match = tier.match(seq.request_id, keys, tokens, preempted=swapped is not None,
+                       compute_ahead=compute_ahead)
     if match is None:
         return None
     done = swapped is not None

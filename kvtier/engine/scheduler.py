@@ -109,9 +109,10 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            plan = plan_admission(
-                seq, self.kv, self.namespaces[seq.request_id], self.tier, self.block_size
-            )
+            ahead = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                        for r in self.running)
+            plan = plan_admission(seq, self.kv, self.namespaces[seq.request_id], self.tier,
+                                  self.block_size, ahead)
             if plan is None:  # a deeper tier's answer is on its way: ask again next step
                 seq.timings.enter(Phase.TIER, time.perf_counter())
                 break

@@ -94,8 +94,10 @@ class TierClient:
         return self.worker.report()
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
-        return self.manager.match(request_id, keys, tokens, preempted)
+              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0
+              ) -> Match | None:
+        """`compute_ahead`: prompt tokens of running sequences not computed yet."""
+        return self.manager.match(request_id, keys, tokens, preempted, compute_ahead)
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool, swap_in: bool) -> int | None:
@@ -279,7 +281,8 @@ class NullTier:
         self.policy = policy
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], preempted: bool) -> Match | None:
+              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0
+              ) -> Match | None:
         return NO_MATCH
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],

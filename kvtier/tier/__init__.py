@@ -13,6 +13,7 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   KVLayout       the engine's KV memory: from_contiguous(kv) or from_layers({name: tensor})
   Fingerprint    the namespace every block key is chained from (change a field: no old hit)
   Faults         the one fault seam, given to build() (tests)
+  Decline        why tokens found in the tier were recomputed (Match.declined_by)
   Residency      where a request's state lived, one enum from here to the HTTP header
   ResidencyChange, ChangeKind   TierManager.take_residency_changes(): a block became
                  resident on host or disk, or stopped being (a manager built to keep them)
@@ -31,7 +32,9 @@ from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, St
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
+from kvtier.tier.load_policy import Decline
 from kvtier.tier.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
+from kvtier.tier.match import declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
@@ -60,6 +63,7 @@ __all__ = [
     "ChangeKind",
     "Choice",
     "Decision",
+    "Decline",
     "Event",
     "Faults",
     "FetchDone",
@@ -90,6 +94,7 @@ __all__ = [
     "check_bounds",
     "check_fits",
     "check_types",
+    "declines",
     "hash_blocks",
     "heads_first_coded_shape",
     "host_slot_count",

@@ -2,7 +2,9 @@
 hold it against (`load_policy`, parsed once from the user's string).
 
     auto                      the planner: restore when kv_bytes / rate, after what is
-                              queued ahead on the same path, beats the prefill
+                              queued ahead on the same path, beats the prefill after
+                              the prefill tokens admitted before it; loads in flight
+                              are bounded by what the link finishes in that time
     always                    restore whatever was found (the "always load" baseline)
     never                     recompute everything (the tier stores, nothing is loaded)
     threshold:TOKENS:INFLIGHT restore a prefix of at least TOKENS tokens while fewer than
@@ -20,6 +22,29 @@ from kvtier.errors import ConfigError
 from kvtier.tier.planner import Decision, Planner
 
 CHOICES = "auto | always | never | threshold:TOKENS:INFLIGHT (e.g. threshold:1024:8)"
+
+
+class Decline(enum.Enum):
+    """Why tokens found in the tier were recomputed (counted per request, `declined{reason}`)."""
+
+    SLOWER = "slower"  # the planner: even alone, reading them back costs more than the prefill
+    INFLIGHT = "inflight"  # the link could not finish the loads in flight and it in time
+    QUEUE = "queue"  # faster alone, but not behind the fetches queued on its tier
+    POLICY = "policy"  # a fixed load_policy (never, threshold) said recompute
+    DEADLINE = "deadline"  # past what a fetch brings up within its deadline
+    NO_ROOM = "no_room"  # the host had no slots to fetch into
+    LOST = "lost"  # a fetch missed: absent, failed verification, or cut at its deadline
+    LAYOUT = "layout"  # a hit every KV cache group cannot serve whole (hybrid models)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What a new load would queue behind when it is decided."""
+
+    loads: int = 0  # host -> device loads (and fetches up to host) decided, not landed
+    link_bytes: int = 0  # bytes of the host -> device loads among them
+    fetch_s: float = 0.0  # fetches queued on the tier it comes up from, at that tier's rate
+    compute_tokens: int = 0  # prefill tokens admitted before it and not yet computed
 
 
 class LoadRule(enum.Enum):
@@ -59,22 +84,40 @@ class LoadPolicy:
             raise ConfigError(f"load_policy={text!r}: TOKENS must be >= 0 and INFLIGHT >= 1")
         return cls(rule, min_tokens, max_inflight)
 
-    def decide(self, planner: Planner, tokens: int, nbytes: int, inflight: int,
-               via: str | None = None, via_nbytes: int | None = None, ahead_s: float = 0.0
-               ) -> Decision:
+    def decide(self, planner: Planner, tokens: int, nbytes: int, ahead: Ahead = Ahead(),
+               via: str | None = None, via_nbytes: int | None = None
+               ) -> tuple[Decision, Decline | None]:
         """The verdict for a prefix of `tokens` found in the tier (`nbytes` across the host
-        link, first fetched from `via` if given) while `inflight` loads and fetches run, with
-        `ahead_s` seconds of them queued ahead of this one on its path (the planner charges
-        them to the restore); the planner's predictions are kept whichever rule decides."""
-        decision = planner.decide(tokens, nbytes, "auto", via, via_nbytes)
-        if ahead_s > 0:
-            restore_s = decision.restore_s + ahead_s
-            decision = replace(decision, restore_s=restore_s, choice=(
-                "restore" if restore_s < decision.recompute_s else "recompute"))
+        link, first fetched from `via` if given) with `ahead` queued before it, and why it is
+        recomputed (None: restored). The decision's restore_s includes the wait ahead (the
+        planner scores it against the load as it landed)."""
+        alone = planner.decide(tokens, nbytes, "auto", via, via_nbytes)
+        rate = planner.calibration.link_gbps * 1e9
+        # the recompute has the prefix ready once the prefill admitted before it has run
+        horizon = alone.recompute_s + (planner.recompute_s(ahead.compute_tokens)
+                                       if ahead.compute_tokens else 0.0)
+        restore_s = alone.restore_s + ahead.link_bytes / rate + ahead.fetch_s
+        decision = replace(alone, restore_s=restore_s, recompute_s=horizon,
+                           choice="restore" if restore_s < horizon else "recompute")
         if self.rule is LoadRule.AUTO:
-            return decision
-        if self.rule is LoadRule.THRESHOLD:
-            restore = tokens >= self.min_tokens and inflight < self.max_inflight
+            reason = (Decline.SLOWER if alone.restore_s >= horizon else
+                      Decline.INFLIGHT if not within_horizon(planner, alone, ahead, horizon)
+                      else Decline.QUEUE if restore_s >= horizon else None)
+        elif self.rule is LoadRule.THRESHOLD:
+            fits = tokens >= self.min_tokens and ahead.loads < self.max_inflight
+            reason = None if fits else Decline.POLICY
         else:
-            restore = self.rule is LoadRule.ALWAYS
-        return replace(decision, choice="restore" if restore else "recompute")
+            reason = None if self.rule is LoadRule.ALWAYS else Decline.POLICY
+        return replace(decision, choice="recompute" if reason else "restore"), reason
+
+
+def within_horizon(planner: Planner, alone: Decision, ahead: Ahead, horizon_s: float) -> bool:
+    """The in-flight bound: the link must carry the loads ahead and then this one (bytes),
+    and as many loads as are ahead plus this one, each at this one's cost (count), within
+    `horizon_s`; past it the load would land after the recompute's prefix was ready."""
+    c = planner.calibration
+    rate = c.link_gbps * 1e9
+    if alone.restore_s + ahead.link_bytes / rate >= horizon_s:
+        return False
+    one = c.transfer_overhead_s + alone.nbytes / rate
+    return one <= 0 or ahead.loads + 1 <= horizon_s / one

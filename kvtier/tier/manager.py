@@ -25,6 +25,7 @@ a deeper tier's slots in theirs): neither is evicted nor handed out again.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -33,8 +34,8 @@ from kvtier.tier.config import TierConfig
 from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
-from kvtier.tier.load_policy import LoadPolicy
-from kvtier.tier.match import FETCHING, NO_MATCH, Match
+from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
+from kvtier.tier.match import FETCHING, NO_MATCH, Match, declines
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
@@ -61,7 +62,7 @@ class _Request:
     """The tier's own state of one request (kept off the engine's sequence object)."""
 
     checked_below: bool = False  # tiers below host were consulted once: never fetch twice
-    declined_tokens: int = 0  # found below host but declined, or lost on the way up
+    declined: Counter[Decline] = field(default_factory=Counter)  # tokens found, recomputed
     fetched_from: Medium | None = None
     fetching: bool = False  # its fetch below host is on its way
     outcome: RequestOutcome = field(default_factory=RequestOutcome)
@@ -83,6 +84,7 @@ class TierManager:
         self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
         self.load_policy = LoadPolicy.parse(config.load_policy)  # restore or recompute
         self.stats = TransferCounts()
+        self.declined: Counter[Decline] = Counter()  # admitted requests per reason declined
         self._ids = ids
         self._pending: dict[int, _Pending] = {}
         self._outbox: list[Job] = []
@@ -109,18 +111,17 @@ class TierManager:
         loads = sum(1 for p in self._pending.values() if p.job.dst is Medium.DEVICE)
         return loads + sum(1 for p in self.below.jobs.values() if p.job.dst is Medium.HOST)
 
-    def _ahead_s(self, via: str | None = None) -> float:
-        """Seconds of transfers a new load would queue behind: the host -> device loads in
-        flight at the link's rate, and (fetched from `via` first) the fetches from that tier
-        not landed at its rate."""
+    def _ahead(self, compute_tokens: int, via: str | None = None) -> Ahead:
+        """What a new load would queue behind: the host -> device loads in flight, and
+        (fetched from `via` first) the fetches from that tier not landed, at its rate."""
         link = sum(p.job.num_blocks for p in self._pending.values()
                    if p.job.dst is Medium.DEVICE) * self.block_bytes
-        seconds = link / (self.planner.calibration.link_gbps * 1e9)
+        fetch_s = 0.0
         if via is not None:
             queued = sum(p.job.num_blocks for p in self.below.jobs.values()
                          if p.job.dst is Medium.HOST and p.job.src.value == via)
-            seconds += queued * self.below.block_bytes / (self.planner.tier_gbps(via) * 1e9)
-        return seconds
+            fetch_s = queued * self.below.block_bytes / (self.planner.tier_gbps(via) * 1e9)
+        return Ahead(self.loads_in_flight, link, fetch_s, compute_tokens)
 
     @property
     def below_host(self) -> bool:
@@ -162,15 +163,18 @@ class TierManager:
                          "tier_gbps": {t: self.planner.tier_gbps(t)
                                        for t in self.planner.calibration.tier_gbps}},
             prediction_error=self.planner.error_report(),
-            below=self.below.report() if self.below else None)
+            below=self.below.report() if self.below else None,
+            declined={reason.value: n for reason, n in self.declined.items()})
 
     # -- match and load -----------------------------------------------------------------
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], preempted: bool = False) -> Match | None:
+              tokens: Sequence[Sequence[int]], preempted: bool = False,
+              compute_ahead: int = 0) -> Match | None:
         """The blocks after the device prefix (`keys[i]` covers `tokens[i]`; a preempted
         sequence's partial last block included) that are worth restoring rather than
-        recomputing. None: a deeper tier's answer is pending, ask again next step. Where
+        recomputing, `compute_ahead` prefill tokens being admitted before it and not yet
+        computed. None: a deeper tier's answer is pending, ask again next step. Where
         the prefix goes on below host and reading it up beats recomputing it, the fetch
         starts here and the answer is FETCHING (not yet) until it lands."""
         state = self._requests.setdefault(request_id, _Request())
@@ -180,7 +184,6 @@ class TierManager:
         cap = self.config.max_load_tokens
         if cap is not None:
             hits = min(hits, cap // self.block_size)
-        extra = state.declined_tokens
         if not preempted and not state.checked_below and hits < len(keys) and self.below:
             media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
             if media is None:
@@ -188,23 +191,27 @@ class TierManager:
             state.checked_below = True
             if cap is not None:
                 media = media[: max(0, cap // self.block_size - hits)]
-            if self._fetch(request_id, state, keys[hits:], tokens[hits:], media):
+            if self._fetch(request_id, state, keys[hits:], tokens[hits:], media,
+                           compute_ahead):
                 return FETCHING
-            extra = state.declined_tokens
         if hits == 0:
-            return Match(declined_tokens=extra) if extra else NO_MATCH
+            return Match(declined_by=declines(state.declined)) if state.declined else NO_MATCH
         restored = sum(len(t) for t in tokens[:hits])
-        decision = (self.planner.decide(restored, hits * self.block_bytes, "swap")
-                    if preempted else  # a swap was already judged worth it
-                    self.load_policy.decide(self.planner, restored, hits * self.block_bytes,
-                                            self.loads_in_flight, ahead_s=self._ahead_s()))
-        if decision.choice == "recompute":
-            return Match(declined_tokens=restored + extra, decision=decision)
-        return Match(tuple(keys[:hits]), restored, extra, decision,
-                     fetched_from=state.fetched_from)
+        reason = None
+        if preempted:  # a swap was already judged worth it
+            decision = self.planner.decide(restored, hits * self.block_bytes, "swap")
+        else:
+            decision, reason = self.load_policy.decide(
+                self.planner, restored, hits * self.block_bytes, self._ahead(compute_ahead))
+        if reason is not None:
+            return Match(decision=decision,
+                         declined_by=declines(state.declined, (reason, restored)))
+        return Match(tuple(keys[:hits]), restored, decision, state.fetched_from,
+                     declined_by=declines(state.declined))
 
     def _fetch(self, request_id: str, state: _Request, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], media: list[Medium]) -> bool:
+               tokens: Sequence[Sequence[int]], media: list[Medium], compute_ahead: int
+               ) -> bool:
         """Start bringing the leading `media` blocks up to host if reading them beats
         recomputing them; False if not worth it or the host has no room (those tokens are
         then recomputed, and counted so when the request is admitted)."""
@@ -214,14 +221,16 @@ class TierManager:
         # No more than its deadline's cap brings at the predicted rate: the rest is recomputed.
         n = min(len(media), self.planner.blocks_within(below.deepest(media).value,
                                                        below.block_bytes, cap))
-        state.declined_tokens += (len(media) - n) * self.block_size
+        state.declined[Decline.DEADLINE] += (len(media) - n) * self.block_size
+        if n == 0:
+            return False
         via = below.deepest(media[:n]).value
-        decision = self.load_policy.decide(self.planner, n * self.block_size,
-                                           n * self.block_bytes, self.loads_in_flight, via,
-                                           via_nbytes=n * below.block_bytes,
-                                           ahead_s=self._ahead_s(via))
-        if decision.choice == "recompute":
-            state.declined_tokens += n * self.block_size
+        _, reason = self.load_policy.decide(self.planner, n * self.block_size,
+                                            n * self.block_bytes,
+                                            self._ahead(compute_ahead, via), via,
+                                            via_nbytes=n * below.block_bytes)
+        if reason is not None:
+            state.declined[reason] += n * self.block_size
             return False
 
         def predict(k: int) -> float:
@@ -230,7 +239,7 @@ class TierManager:
         if below.fetch(request_id, keys[:n], tokens[:n], media[:n], predict, cap):
             state.fetching = True
             return True
-        state.declined_tokens += n * self.block_size
+        state.declined[Decline.NO_ROOM] += n * self.block_size
         return False
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
@@ -242,7 +251,8 @@ class TierManager:
         client that writes blocks back when it evicts them); `swap_in`: the request's own
         state after a preemption, counted apart from its prompt's restore."""
         state = self._requests.setdefault(request_id, _Request())
-        state.declined_tokens = 0  # counted once, by this admission
+        state.declined.clear()  # counted once, by this admission
+        self.declined.update(reason for reason, _ in match.declined_by)
         self.below.release(request_id)  # the load takes pins of its own
         if not match.load_keys:
             return None
@@ -341,7 +351,7 @@ class TierManager:
         if state is not None:
             state.fetching = False  # asked again: the host holds what verified
             state.fetched_from = done.source if done.fetched else None
-            state.declined_tokens += done.missed * self.block_size
+            state.declined[Decline.LOST] += done.missed * self.block_size
         if done.slow is not None:  # one late fetch: that tier recomputes for a while
             self.planner.observe_slow(done.slow.value, result.nbytes, result.seconds)
         elif done.source is not None and result.nbytes:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.load_policy import Decline
 from kvtier.tier.planner import Decision
 
 
@@ -14,10 +16,15 @@ class Match:
 
     load_keys: tuple[BlockKey, ...] = ()  # host blocks to load, in order
     restored_tokens: int = 0  # tokens those blocks cover
-    declined_tokens: int = 0  # found (host or below) but the planner chose to recompute
     decision: Decision | None = None
     fetched_from: Medium | None = None  # a fetch brought (some of) these blocks up to host
     fetching: bool = False  # not yet: a fetch below host is on its way (ask again after it)
+    # tokens found (host or below) but recomputed, by reason
+    declined_by: tuple[tuple[Decline, int], ...] = ()
+
+    @property
+    def declined_tokens(self) -> int:
+        return sum(n for _, n in self.declined_by)
 
     @property
     def residency(self) -> Medium | None:
@@ -29,3 +36,11 @@ class Match:
 
 NO_MATCH = Match()
 FETCHING = Match(fetching=True)
+
+
+def declines(*parts: tuple[Decline, int] | Counter[Decline]) -> tuple[tuple[Decline, int], ...]:
+    """`Match.declined_by` from counters and (reason, tokens) pairs, added up per reason."""
+    total: Counter[Decline] = Counter()
+    for part in parts:
+        total.update(part if isinstance(part, Counter) else {part[0]: part[1]})
+    return tuple((r, n) for r, n in total.items() if n)

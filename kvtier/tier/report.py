@@ -58,3 +58,5 @@ class TierStats:
     calibration: Mapping[str, Any]  # the planner's numbers now (tier_gbps among them)
     prediction_error: Mapping[str, Mapping[str, float | int]]  # per kind: count, errors
     below: BelowReport | None
+    # admitted requests that recomputed tokens found in the tier, per Decline value
+    declined: Mapping[str, int] = field(default_factory=dict)

@@ -13,8 +13,11 @@ BS = 4
 FP = Fingerprint("w", "arch", "bf16", BS, "")
 
 
-def side(slots: int = 8, windows: tuple[Window | None, ...] = (None,)) -> SchedulerSide:
-    cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
+FAST = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
+
+
+def side(slots: int = 8, windows: tuple[Window | None, ...] = (None,),
+         cal: Calibration = FAST) -> SchedulerSide:
     host, ids = HostTier(slots), job_ids()
     manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
                           BelowHost(host, [], 1000, ids), ids)
@@ -245,3 +248,25 @@ def test_after_a_reset_nothing_cached_before_is_restored_and_live_requests_store
     assert s.matched_tokens("d", prompt, "", 0) == 12  # stored under the new identity
     stats = s.take_stats()
     assert stats["cache_resets"] == 1 and stats["reset_dropped_host_blocks"] == 3
+
+
+def test_a_lookup_sees_the_prefill_vllm_admitted_and_has_not_computed_yet() -> None:
+    # a link of 40 KB/s, prefill 200 tokens/s: blocks 1-2 restore in 50 ms against 40 ms of
+    # recompute -> declined ("slower", counted once b is admitted); while 8 prompt tokens vLLM
+    # admitted are still to compute (40 ms ahead), the same lookup restores; once vLLM has
+    # computed them, it declines again
+    s = side(cal=Calibration(link_gbps=4e-5, transfer_overhead_s=0.0,
+                             prefill_tokens_per_s=200.0))
+    prompt = list(range(10, 24))
+    serve(s, "a", prompt)
+    follow = [*prompt, 99, 98]
+    assert s.matched_tokens("b", follow, "", 4) == 0
+    s.allocated("b", [[5, 6, 7, 8]], 0)
+    assert s.take_stats()["declined|slower"] == 1
+    s.finished("b")  # (aborted: its own 12 tokens would be ahead of the next lookups)
+    other = list(range(300, 309))  # 9 tokens, nothing stored: 8 to compute before the last
+    assert s.matched_tokens("long", other, "", 0) == 0
+    s.allocated("long", [[11, 12, 13]], 0)
+    assert s.matched_tokens("c", follow, "", 4) == 8
+    s.step([Scheduled("long", [[11, 12, 13]], 9)])
+    assert s.matched_tokens("d", follow, "", 4) == 0

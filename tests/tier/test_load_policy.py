@@ -7,10 +7,11 @@ from test_manager import BS, CHUNKS, KEYS, manager, run
 from kvtier.errors import ConfigError
 from kvtier.tier import TierConfig
 from kvtier.tier.keys import Medium
-from kvtier.tier.load_policy import LoadPolicy, LoadRule
+from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy, LoadRule
 from kvtier.tier.manager import FETCHING
-from kvtier.tier.planner import Calibration
+from kvtier.tier.planner import Calibration, Planner
 
+FAST_CAL = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
 SLOW_LINK = Calibration(link_gbps=1e-9, transfer_overhead_s=0.0, prefill_tokens_per_s=1e9)
 
 
@@ -95,7 +96,7 @@ def test_the_planner_charges_loads_already_in_flight_to_the_next_restore() -> No
     assert a.load_keys == tuple(KEYS[:4])
     m.allocated("a", a, [11, 12, 13, 14])
     behind = m.match("b", KEYS[4:6], CHUNKS[4:6])
-    assert behind.load_keys == () and behind.declined_tokens == 2 * BS
+    assert behind.load_keys == () and behind.declined_by == ((Decline.INFLIGHT, 2 * BS),)
     assert behind.decision.restore_s == pytest.approx(0.05)
     assert behind.decision.recompute_s == pytest.approx(0.04)
     run(m)  # a's load lands
@@ -115,4 +116,67 @@ def test_a_fetch_is_charged_the_fetches_queued_ahead_on_its_tier() -> None:
     m.host.remove(KEYS[:5])
     assert m.match("a", KEYS[:4], CHUNKS[:4]) is FETCHING  # 40 ms of disk vs 160 ms
     decided = m.match("b", KEYS[4:5], CHUNKS[4:5])
-    assert decided is not FETCHING and decided.declined_tokens == BS
+    assert decided is not FETCHING and decided.declined_by == ((Decline.QUEUE, BS),)
+
+
+def test_prefill_waiting_for_compute_makes_a_slower_link_worth_its_wait() -> None:
+    # a link of 40 KB/s, prefill 200 tokens/s: one block restores in 25 ms against 20 ms of
+    # recompute -> declined as slower; with 4 prompt tokens admitted before it and not yet
+    # computed (20 ms), the recompute has the prefix only at 40 ms -> restored
+    link = Calibration(link_gbps=4e-5, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
+    m = stored("auto", link)
+    alone = m.match("a", KEYS[:1], CHUNKS[:1])
+    assert alone.declined_by == ((Decline.SLOWER, BS),)
+    behind = m.match("b", KEYS[:1], CHUNKS[:1], compute_ahead=4)
+    assert behind.load_keys == (KEYS[0],)
+    assert behind.decision.recompute_s == pytest.approx(0.04)
+
+
+def test_the_loads_in_flight_are_bounded_by_what_the_link_finishes_within_the_horizon() -> None:
+    # 9.9 ms a load (its overhead), one block recomputes in 40 ms: the link finishes 4 such
+    # loads within that horizon, so with 3 in flight a fourth is taken and a fifth declined,
+    # though each alone (10 ms + the bytes) beats its recompute; once one lands, taken again
+    cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0099, prefill_tokens_per_s=100.0)
+    m = stored("auto", cal, slots=8)
+    for i in range(4):
+        got = m.match(f"r{i}", KEYS[i:i + 1], CHUNKS[i:i + 1])
+        assert got.load_keys == (KEYS[i],), i
+        m.allocated(f"r{i}", got, [20 + i])
+    assert m.loads_in_flight == 4
+    over = m.match("r4", KEYS[:1], CHUNKS[:1])
+    assert over.load_keys == () and over.declined_by == ((Decline.INFLIGHT, BS),)
+    assert over.decision.restore_s < over.decision.recompute_s  # alone it was worth it
+    run(m)
+    assert m.match("r5", KEYS[:1], CHUNKS[:1]).load_keys == (KEYS[0],)
+
+
+def test_the_bound_counts_bytes_as_well_as_loads() -> None:
+    # 100 bytes a millisecond, prefill 100 tokens/s: a 4-token block (1000 bytes) is 10 ms of
+    # link against 40 ms of recompute; 2999 bytes ahead let it land in time, 3000 do not
+    planner = Planner(Calibration(link_gbps=1e-4, transfer_overhead_s=0.0,
+                                  prefill_tokens_per_s=100.0))
+    policy = LoadPolicy()
+    _, fits = policy.decide(planner, 4, 1000, Ahead(loads=1, link_bytes=2999))
+    _, over = policy.decide(planner, 4, 1000, Ahead(loads=1, link_bytes=3000))
+    assert fits is None and over is Decline.INFLIGHT
+
+
+@pytest.mark.parametrize(("policy", "reason"), [
+    ("never", Decline.POLICY), ("threshold:100:8", Decline.POLICY), ("auto", None)])
+def test_a_fixed_rule_declines_as_policy(policy: str, reason: Decline | None) -> None:
+    decision, got = LoadPolicy.parse(policy).decide(Planner(FAST_CAL), 8, 2000)
+    assert got is reason
+    assert decision.choice == ("restore" if reason is None else "recompute")
+
+
+def test_declines_are_counted_once_per_request_when_it_is_admitted() -> None:
+    # vLLM asks again while a request waits: three lookups, one admission, one count; the
+    # tokens past a fetch's deadline and the planner's own decline both name their reason
+    m = stored("never")
+    for _ in range(3):
+        got = m.match("r", KEYS[:4], CHUNKS[:4])
+    assert m.report().declined == {}
+    m.allocated("r", got, [])
+    assert m.report().declined == {"policy": 1}
+    m.allocated("r", got, [])  # a request admitted again (after a preemption) counts again
+    assert m.report().declined == {"policy": 2}

@@ -14,6 +14,7 @@ def tier_counters(report: TierStats, world_size: int = 1) -> dict[str, float]:
         "restore_bytes": s.loaded_bytes, "failed_loads": s.failed_loads,
         "stored_blocks": s.stored_blocks, "stored_bytes": s.stored_bytes,
         "failed_stores": s.failed_stores, "store_refused": s.store_refused}
+    out.update({f"declined|{reason}": n for reason, n in report.declined.items()})
     b = report.below
     if b is not None:
         for name, counter in (("written_blocks", b.written_blocks),

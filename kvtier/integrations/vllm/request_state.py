@@ -43,5 +43,6 @@ class RequestState:
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
     restored: int = 0  # tokens vLLM skipped computing because a load of ours landed
+    computed: int = 0  # tokens vLLM had computed once admitted (its last step's count)
     stale: bool = False  # alive at a cache reset: its KV may be the old weights'
     timeline: WakeTimeline = field(default_factory=WakeTimeline.start)  # from the first ask

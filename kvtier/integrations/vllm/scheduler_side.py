@@ -47,6 +47,7 @@ from kvtier.integrations.vllm.wake_timeline import WakeTimeline
 from kvtier.tier import (
     NO_MATCH,
     BlockKey,
+    Decline,
     FetchDone,
     Job,
     LoadDone,
@@ -54,6 +55,7 @@ from kvtier.tier import (
     Residency,
     Result,
     TierManager,
+    declines,
     hash_blocks,
 )
 
@@ -98,7 +100,8 @@ class SchedulerSide:
         end = last if self._partial_ok else self._whole_end(st, d, last)
         need = self._needed(d, end)
         match = self.manager.match(request_id, [st.group_keys[g][i] for g, i in need],
-                                   [self._chunk(st, i) for _, i in need])
+                                   [self._chunk(st, i) for _, i in need],
+                                   compute_ahead=self._compute_ahead())
         if match is None or match.fetching:  # a presence answer or a fetch is on its way
             if match is not None:
                 self.recorder.fetching(request_id, need, st.group_keys)
@@ -112,11 +115,18 @@ class SchedulerSide:
             return 0
         if len(match.load_keys) < len(need) and not self._partial_ok:
             # every group needs all of its blocks: part of a hit is recomputing all of it
-            st.match = Match(declined_tokens=match.restored_tokens + match.declined_tokens)
+            st.match = Match(declined_by=declines(match.declined_by,
+                                                  (Decline.LAYOUT, match.restored_tokens)))
             return 0  # a fetch's pins are released when vLLM admits the request
         st.match, st.need = match, need[:len(match.load_keys)]
         st.offered = (max(i for _, i in st.need) + 1 - d) * bs
         return st.offered
+
+    def _compute_ahead(self) -> int:
+        """Prompt tokens of the requests vLLM admitted that it has not computed yet: the
+        prefill a recompute would queue behind."""
+        return sum(max(0, st.prompt_len - st.computed) for st in self.requests.values()
+                   if st.counted)
 
     @property
     def _partial_ok(self) -> bool:
@@ -168,16 +178,17 @@ class SchedulerSide:
             st.counted = True
             self._counts["lookup_tokens"] += st.looked_up
             self._counts["declined_tokens"] += st.match.declined_tokens
-        match, need = (st.match, st.need) if external else (NO_MATCH, [])
-        if external and external != st.offered:
-            match, need = NO_MATCH, []  # vLLM took less than offered: load nothing, recompute
+        st.computed = st.local_blocks * self.block_size + external
+        match, need = st.match, st.need
+        if external != st.offered:  # vLLM took less than offered: load nothing, recompute
+            match, need = Match(declined_by=match.declined_by), []
         targets = [block_ids[g][i] for g, i in need]
         if need and not self._where_expected(block_ids, st.local_blocks, need):
             # vLLM's nulls are not where the window rule puts them: load nothing, and have
             # vLLM recompute every block it thinks restored
             d, end = st.local_blocks, st.local_blocks + st.offered // self.block_size
             self._invalid.update(b for ids in block_ids for b in ids[d:end] if b)
-            match, need, targets = NO_MATCH, [], []
+            match, need, targets = Match(declined_by=match.declined_by), [], []
         job = self.manager.allocated(request_id, match, targets)
         if job is not None:
             self._restoring[job] = (request_id, st.offered, Counter(g for g, _ in need))
@@ -255,7 +266,10 @@ class SchedulerSide:
         bs = self.block_size
         for s in scheduled:
             st = self.requests.get(s.request_id)
-            if st is None or st.stale:
+            if st is None:
+                continue
+            st.computed = s.computed_after
+            if st.stale:
                 continue
             allocated = min(len(ids) for ids in s.block_ids)
             full = min(s.computed_after, len(st.tokens), allocated * bs) // bs

@@ -50,6 +50,9 @@ LABELLED = {
                                         "(kvtier.tier.Reason: fingerprint, checksum, mac, "
                                         "missing, io, deadline, ...; blocks refused at start "
                                         "included)"),
+    "declined": (("reason",), "Requests that recomputed tokens found in kvtier's tiers, by "
+                              "reason (kvtier.tier.Decline: slower, inflight, queue, "
+                              "policy, deadline, no_room, lost, layout)"),
     "write_failure_blocks": (("tier", "reason"), "Blocks a tier below host failed to take, by "
                                                  "reason (timeout, unavailable, io, ...)"),
 }
