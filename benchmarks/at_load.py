@@ -115,7 +115,10 @@ def run_guidellm(url: str, model: Path, load: int, seed: int, p: dict[str, Any],
         data["delay"] = p["delay"]
     scenario = {"spec": {
         "backend": {"kind": "openai_http", "target": url, "model": "default",
-                    "request_format": "/v1/completions"},
+                    "request_format": "/v1/completions",
+                    # GuideLLM sends no temperature (vLLM's default samples): greedy, so
+                    # that every configuration's answers can be held against plain vLLM's
+                    "extras": {"body": {"temperature": 0}}},
         "profile": {"kind": "concurrent", "streams": load}, "data": [data],
         "seed": {"kind": "static", "value": seed},
         "tokenizer": {"kind": "hf_auto", "model": str(model)},

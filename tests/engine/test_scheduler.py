@@ -103,3 +103,26 @@ def test_random_load_on_a_small_pool_loses_and_duplicates_nothing(
     for x in seqs:
         assert len(x.output_token_ids) == x.params.max_tokens
     assert s.kv.pool.num_used == 0
+
+
+class SeeingTier(NullTier):
+    """A tier with nothing in it that records the prefill each lookup was told is ahead."""
+
+    def __init__(self) -> None:
+        super().__init__(OffloadPolicy())
+        self.ahead: dict[str, int] = {}
+
+    def match(self, request_id, keys, tokens, preempted, compute_ahead=0):
+        self.ahead[request_id] = compute_ahead
+        return super().match(request_id, keys, tokens, preempted, compute_ahead)
+
+
+def test_a_lookup_is_told_the_prompt_tokens_running_sequences_have_not_computed() -> None:
+    # budget 12: "a" (20 tokens) has computed 12 when "b" is looked up -> 8 ahead of it
+    tier = SeeingTier()
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=12), BlockPool(16), 4, tier)
+    s.add(seq("a", 20), NS)
+    run_step(s)
+    s.add(seq("b", 4, first=100), NS)
+    run_step(s)
+    assert tier.ahead == {"a": 0, "b": 8}
