@@ -8,7 +8,8 @@ requests, vLLM's own prefix hit rate, tokens kvtier restored and recomputed (dec
 reason); every answer is checked against plain vLLM's for the same request (temperature 0).
 
     python benchmarks/at_load.py [--preset cpu] [--harness vllm-bench,guidellm]
-                                 [--loads 1,2,6] [--configs vllm,limit,...] [--out DIR]
+                                 [--loads 1,2,6] [--configs vllm,limit,...] [--repeats N]
+                                 [--out DIR]
 Needs bash scripts/vllm_env.sh and bash scripts/harness_env.sh. Presets: `cpu` (this
 2-core machine: SmolLM2-135M float32, a 24-block pool) and `stock`, the harnesses' own
 parameters for a GPU (PRESETS below); writes JSON, an HTML page with the curves, and PNGs.
@@ -161,6 +162,8 @@ def main() -> int:
     ap.add_argument("--harness", default="vllm-bench,guidellm")
     ap.add_argument("--loads", default="1,2,6", help="concurrent streams, light to saturated")
     ap.add_argument("--configs", default=None, help="a subset of the configurations, by name")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per load level, each on new data: their spread is the run's own")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     harnesses = args.harness.split(",")
@@ -188,7 +191,7 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--configs takes {', '.join(table)}; not {', '.join(unknown)}"
                          + (f" ({redis.reason})" if "kvtier-redis" in unknown else ""))
-    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    runs: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = {}
     try:
         for name in names:
             pool, connector = table[name]
@@ -199,10 +202,12 @@ def main() -> int:
             try:
                 for h in harnesses:
                     for i, load in enumerate(loads):
-                        out = tmp / f"{name}-{h}-{load}.json"
-                        runs.setdefault(h, {}).setdefault(name, {})[load] = measure(
-                            server, h, model, load, 1000 + i, preset, out)
-                        print(f"{name:>18} {h:>10} load {load}: done", flush=True)
+                        for r in range(args.repeats):  # new prefixes each time: no hit carried
+                            out = tmp / f"{name}-{h}-{load}-{r}.json"
+                            runs.setdefault(h, {}).setdefault(name, {}).setdefault(
+                                load, []).append(measure(server, h, model, load,
+                                                         1000 + i + 100 * r, preset, out))
+                            print(f"{name:>18} {h:>10} load {load} run {r}: done", flush=True)
             finally:
                 server.close()
             if connector and "disk_kv_path" in connector:
@@ -210,13 +215,14 @@ def main() -> int:
             redis.flush()
     finally:
         redis.close()
-    checks = {h: {name: {load: compare_answers(by["vllm"][load]["point"].answers,
-                                               r["point"].answers)
-                         for load, r in by[name].items()}
+    checks = {h: {name: {load: [compare_answers(ref["point"].answers, r["point"].answers)
+                                for ref, r in zip(by["vllm"][load], rs)]
+                         for load, rs in by[name].items()}
                   for name in by if name != "vllm"}
               for h, by in runs.items() if "vllm" in by}
     summary = report(runs, checks)
-    doc = {"preset": args.preset, "params": preset, "loads": loads, "summary": summary,
+    doc = {"preset": args.preset, "params": preset, "loads": loads, "repeats": args.repeats,
+           "summary": summary,
            "redis": redis.reason or "loopback redis-server"}
     path = write_result("at_load", doc, args.out)
     pages = write_pages(summary, path.with_suffix(""), " ".join(sys.argv[1:]))

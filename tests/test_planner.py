@@ -52,3 +52,12 @@ def test_online_updates_and_error_report() -> None:
     assert report["restore"]["median_rel_error"] == pytest.approx(1.0)  # |0.2 - 0.1| / 0.1
     assert report["recompute"]["median_rel_error"] == pytest.approx(2.0)
 
+
+
+def test_a_restore_that_waited_behind_others_is_scored_on_its_whole_wait() -> None:
+    # predicted 0.2 s (0.1 s of copy behind 0.1 s of loads ahead); copied in 0.1 s, landed
+    # 0.2 s after it was decided: scored exact, and the link is refined from the copy alone
+    p = Planner(Calibration(10.0, 0.0, 1000.0), smoothing=0.5)
+    p.observe_transfer(2 * 10**9, 0.1, predicted_s=0.2, waited_s=0.2)
+    assert p.error_report()["restore"]["median_rel_error"] == pytest.approx(0.0)
+    assert p.calibration.link_gbps == pytest.approx(15.0)
