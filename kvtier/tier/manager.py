@@ -25,6 +25,7 @@ a deeper tier's slots in theirs): neither is evicted nor handed out again.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,7 @@ class _Pending:
     demote: bool = False
     evict_first: bool = False
     exclusive: bool = False  # a load after which the host copy is dropped (write-back)
+    decided_at: float = field(default_factory=time.perf_counter)  # its wait counts too
 
 
 @dataclass
@@ -382,7 +384,8 @@ class TierManager:
         if ok:
             self.stats.loaded_blocks += len(pending.keys)
             self.stats.loaded_bytes += nbytes
-            self.planner.observe_transfer(nbytes, result.seconds, pending.predicted_s)
+            waited = result.finished_at - pending.decided_at if result.finished_at else 0.0
+            self.planner.observe_transfer(nbytes, result.seconds, pending.predicted_s, waited)
         else:
             self.stats.failed_loads += 1
         assert pending.request_id is not None

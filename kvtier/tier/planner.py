@@ -169,11 +169,13 @@ class Planner:
             return 2 * overhead / (per_token_gain + root)
         return (root - per_token_gain) / a
 
-    def observe_transfer(self, nbytes: int, seconds: float, predicted_s: float | None = None
-                         ) -> None:
-        """A finished load: refine the link estimate, and score the prediction if one was made."""
+    def observe_transfer(self, nbytes: int, seconds: float, predicted_s: float | None = None,
+                         waited_s: float = 0.0) -> None:
+        """A finished load of `seconds` copying, `waited_s` from its decision to its end (the
+        loads queued ahead of it included): refine the link estimate from the copy, and score
+        the prediction, which charged the queue, against the whole wait."""
         if predicted_s is not None:
-            self._record(Observation("restore", predicted_s, seconds))
+            self._record(Observation("restore", predicted_s, max(seconds, waited_s)))
         useful = seconds - self.calibration.transfer_overhead_s
         if nbytes > 0 and useful > 0:
             self.calibration.link_gbps = self._blend(self.calibration.link_gbps,
