@@ -118,11 +118,10 @@ class TierManager:
         (fetched from `via` first) the fetches from that tier not landed, at its rate."""
         link = sum(p.job.num_blocks for p in self._pending.values()
                    if p.job.dst is Medium.DEVICE) * self.block_bytes
-        fetch_s = 0.0
-        if via is not None:
-            queued = sum(p.job.num_blocks for p in self.below.jobs.values()
-                         if p.job.dst is Medium.HOST and p.job.src.value == via)
-            fetch_s = queued * self.below.block_bytes / (self.planner.tier_gbps(via) * 1e9)
+        queued = sum(p.job.num_blocks for p in self.below.jobs.values()
+                     if via is not None and p.job.dst is Medium.HOST and p.job.src.value == via)
+        fetch_s = (queued * self.below.block_bytes / (self.planner.tier_gbps(via) * 1e9)
+                   if via is not None else 0.0)
         return Ahead(self.loads_in_flight, link, fetch_s, compute_tokens)
 
     @property
