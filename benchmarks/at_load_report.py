@@ -14,6 +14,9 @@ from kvtier.bench.harnesses import AnswerCheck
 TARGET_P99 = 1.0  # kvtier auto's TTFT p99 against plain vLLM's and the fixed rules' best
 LIMIT_MEAN, LIMIT_P99 = 1.3, 1.5  # kvtier's TTFT against the limit's, below its saturation
 FIXED = ("always", "never", "threshold:1024:8")
+COLORS = {"vllm": "tab:blue", "limit": "tab:orange", "kvtier-host": "tab:green",
+          "kvtier-disk": "tab:red", "kvtier-redis": "tab:gray", "always": "tab:purple",
+          "never": "tab:brown", "threshold:1024:8": "tab:pink"}
 
 
 def _median(xs: list[float]) -> float:
@@ -136,7 +139,9 @@ def _plot(summary: dict[str, Any], h: str, metric: str, ylabel: str) -> bytes:
             ys.append(None if row is None else (row["output_tok_s"] if metric == "tok/s"
                                                else row["ttft_ms"][metric]))
         style = "--" if name in ("limit", "vllm") else "-"
-        ax.plot(loads, ys, style, marker="o", label=name)
+        ax.plot(loads, ys, style, marker="o", label=name, color=COLORS.get(name),
+                linewidth=2.5 if name == "kvtier-host" else 1.5,
+                zorder=3 if name == "kvtier-host" else 2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel(ylabel)
     ax.set_title(f"{h}: {ylabel} against load")
