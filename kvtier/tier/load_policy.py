@@ -96,12 +96,14 @@ class LoadPolicy:
         # the recompute has the prefix ready once the prefill admitted before it has run
         horizon = alone.recompute_s + (planner.recompute_s(ahead.compute_tokens)
                                        if ahead.compute_tokens else 0.0)
-        restore_s = alone.restore_s + ahead.link_bytes / rate + ahead.fetch_s
+        after_link = alone.restore_s + ahead.link_bytes / rate  # the loads ahead, then it
+        restore_s = after_link + ahead.fetch_s
         decision = replace(alone, restore_s=restore_s, recompute_s=horizon,
                            choice="restore" if restore_s < horizon else "recompute")
         if self.rule is LoadRule.AUTO:
             reason = (Decline.SLOWER if alone.restore_s >= horizon else
-                      Decline.INFLIGHT if not within_horizon(planner, alone, ahead, horizon)
+                      Decline.INFLIGHT if not within_horizon(planner, alone.nbytes, after_link,
+                                                             ahead.loads, horizon)
                       else Decline.QUEUE if restore_s >= horizon else None)
         elif self.rule is LoadRule.THRESHOLD:
             fits = tokens >= self.min_tokens and ahead.loads < self.max_inflight
@@ -111,13 +113,14 @@ class LoadPolicy:
         return replace(decision, choice="recompute" if reason else "restore"), reason
 
 
-def within_horizon(planner: Planner, alone: Decision, ahead: Ahead, horizon_s: float) -> bool:
-    """The in-flight bound: the link must carry the loads ahead and then this one (bytes),
-    and as many loads as are ahead plus this one, each at this one's cost (count), within
-    `horizon_s`; past it the load would land after the recompute's prefix was ready."""
-    c = planner.calibration
-    rate = c.link_gbps * 1e9
-    if alone.restore_s + ahead.link_bytes / rate >= horizon_s:
+def within_horizon(planner: Planner, nbytes: int, after_link_s: float, loads: int,
+                   horizon_s: float) -> bool:
+    """The in-flight bound: the link must carry the loads ahead and then this one of `nbytes`
+    (done `after_link_s` from now), and as many loads as the `loads` ahead plus this one,
+    each at this one's cost, within `horizon_s`; past it the load would land after the
+    recompute's prefix was ready."""
+    if after_link_s >= horizon_s:
         return False
-    one = c.transfer_overhead_s + alone.nbytes / rate
-    return one <= 0 or ahead.loads + 1 <= horizon_s / one
+    c = planner.calibration
+    one = c.transfer_overhead_s + nbytes / (c.link_gbps * 1e9)
+    return one <= 0 or loads + 1 <= horizon_s / one

@@ -114,8 +114,7 @@ class TierManager:
         return loads + sum(1 for p in self.below.jobs.values() if p.job.dst is Medium.HOST)
 
     def _ahead(self, compute_tokens: int, via: str | None = None) -> Ahead:
-        """What a new load would queue behind: the host -> device loads in flight, and
-        (fetched from `via` first) the fetches from that tier not landed, at its rate."""
+        """What a new load would queue behind: loads in flight, fetches queued on `via`."""
         link = sum(p.job.num_blocks for p in self._pending.values()
                    if p.job.dst is Medium.DEVICE) * self.block_bytes
         queued = sum(p.job.num_blocks for p in self.below.jobs.values()
