@@ -43,9 +43,9 @@ from common import copy_peak_gbps, write_result
 from local_redis import LocalRedis
 
 from kvtier.tier import GIB, Job, KVLayout, Medium, Result, TierConfig, build_worker_side
-from kvtier.tier.worker.block_format import BlockHeader, check, pack, payload_checksum, unpack
-from kvtier.tier.worker.block_mac import BlockMac
-from kvtier.tier.worker.worker import TierWorker
+from kvtier.tier.io.block_format import BlockHeader, check, pack, payload_checksum, unpack
+from kvtier.tier.io.block_mac import BlockMac
+from kvtier.tier.worker import TierWorker
 
 LAYERS, HEADS, TOKENS, DIM = 30, 3, 128, 64  # SmolLM2-135M under vLLM, 128-token blocks
 BLOCK_NBYTES = LAYERS * HEADS * TOKENS * 2 * DIM * 4

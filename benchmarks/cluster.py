@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import write_result
 
-from kvtier.tier.worker.redis_cluster_store import ClusterStore
-from kvtier.tier.worker.redis_store import RedisStore
-from kvtier.tier.worker.remote_store import Landed
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.stores.redis.cluster_store import ClusterStore
+from kvtier.tier.stores.redis.kv import Landed
+from kvtier.tier.stores.redis.store import RedisStore
+from kvtier.tier.stores.redis.unavailable import RemoteUnavailable
 
 NS = b"b" * 16
 BLOCK_BYTES = 737_280

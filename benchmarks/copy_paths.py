@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
 from kvtier.tier.layout import KVLayout
-from kvtier.tier.worker.copy import CopyTeam, copy_blocks
-from kvtier.tier.worker.threads import use_one_thread
+from kvtier.tier.link.copy import CopyTeam, copy_blocks
+from kvtier.tier.link.threads import use_one_thread
 
 LAYERS, POOL, HEADS, TOKENS, WIDTH = 30, 48, 3, 128, 128  # vLLM's [blocks, heads, tokens, 2*dim]
 SLOTS, WAKE_BLOCKS = 64, 16

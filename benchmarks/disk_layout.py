@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
-from kvtier.tier.worker.block_format import (
+from kvtier.tier.io.block_format import (
     BlockHeader,
     check,
     decode_header,
@@ -38,7 +38,7 @@ from kvtier.tier.worker.block_format import (
     max_header_nbytes,
     payload_checksum,
 )
-from kvtier.tier.worker.disk_store import DiskStore
+from kvtier.tier.stores.disk.file import DiskStore
 
 BLOCK_TOKENS = 16
 NAMESPACE = bytes(range(16))

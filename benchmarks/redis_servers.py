@@ -21,7 +21,7 @@ from typing import Any
 from common import write_result
 from local_redis import SERVER_MALLOC_CONF, SERVERS, LocalRedis
 
-from kvtier.tier.worker.redis_direct import DirectReader
+from kvtier.tier.stores.redis.direct import DirectReader
 
 HEADER_NBYTES = 64  # what precedes a block's payload in its value (kvtier's header is ~50 B)
 MODES = ("mget", "get")  # one MGET of every key; one pipelined GET per key

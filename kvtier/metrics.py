@@ -29,7 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
-from kvtier.tier.load_policy import Decline
+from kvtier.tier import Decline
 
 if TYPE_CHECKING:
     from kvtier.output import RequestOutput

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import redis
 
-from kvtier.tier.worker.block_format import pack, payload_checksum, unpack
+from kvtier.tier.io.block_format import pack, payload_checksum, unpack
 
 
 def forge(blob: bytes, scale: float = 1.5, keep_mac: bool = True) -> bytes:

@@ -12,14 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# kvtier/tier/manager.py's docstring, and the read-only facts a client sizes itself by
+# kvtier/tier/books/manager.py's docstring, and the read-only facts a client sizes itself by
 MANAGER_FACE = frozenset({
     "match", "allocated", "outcome", "store", "finished", "forget", "take_jobs", "apply",
     "report", "decide", "observe_prefill", "wait_presence", "busy", "below_host",
     "host_slots", "holds", "write_down_host", "config", "block_size", "block_bytes", "lossy",
     "close", "take_residency_changes", "reset",
 })
-# kvtier/tier/worker/worker.py's docstring
+# kvtier/tier/worker.py's docstring
 WORKER_FACE = frozenset({
     "submit", "poll", "wait", "wait_any", "wait_layer", "in_flight", "busy", "close",
     "flush", "report", "layout", "host_slots", "wait_fetches",

@@ -18,13 +18,18 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   ResidencyChange, ChangeKind   TierManager.take_residency_changes(): a block became
                  resident on host or disk, or stopped being (a manager built to keep them)
   Job, Result, LoadDone, FetchDone, StoreDone   what crosses between the two sides
-Nothing here imports an engine; everything outside `worker/` and `driver.py` is pure Python
+Inside: `books/` the scheduler side, `link/` device <-> host, `io/` host <-> the stores below,
+`stores/<name>/` one folder per store (registered in `registry.py`), `builder.py` the one place
+that wires them. Nothing here imports an engine; the books and the vocabulary are pure Python
 (no torch), and the bytes side is imported only when first named, so bookkeeping alone never
 loads torch.
 """
 
 from typing import TYPE_CHECKING, Any
 
+from kvtier.tier.books.load_policy import Decline
+from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
+from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
 from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, check_fits, host_slot_count
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
@@ -32,16 +37,13 @@ from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, St
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
-from kvtier.tier.load_policy import Decline
-from kvtier.tier.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
 from kvtier.tier.match import declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
-from kvtier.tier.residency_log import ChangeKind, ResidencyChange
 
 if TYPE_CHECKING:
-    from kvtier.tier.wiring import (
+    from kvtier.tier.builder import (
         SchedulerTier,
         Tier,
         build,
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
         build_worker_side,
         host_slot_nbytes,
     )
-    from kvtier.tier.worker.worker import TierWorker, WorkerReport
+    from kvtier.tier.worker import TierWorker, WorkerReport
 
 __all__ = [
     "FETCHING",
@@ -108,11 +110,11 @@ def __getattr__(name: str) -> Any:
     """The bytes side (torch) on first use: `build*`, `Tier`, `TierWorker`."""
     if name in ("SchedulerTier", "Tier", "build", "build_scheduler_side", "build_worker_side",
                 "host_slot_nbytes"):
-        from kvtier.tier import wiring
+        from kvtier.tier import builder
 
-        return getattr(wiring, name)
+        return getattr(builder, name)
     if name in ("TierWorker", "WorkerReport"):
-        from kvtier.tier.worker import worker
+        from kvtier.tier import worker
 
         return getattr(worker, name)
     raise AttributeError(f"module 'kvtier.tier' has no attribute {name!r}")

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.tier import registry
+from kvtier.tier.books.load_policy import LoadPolicy
 from kvtier.tier.deadline import FETCH_DEADLINE_S
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
-from kvtier.tier.load_policy import LoadPolicy
-from kvtier.tier.redis_url import is_cluster_url, validate_url
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
 MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
@@ -166,19 +166,15 @@ class TierConfig:
             raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
         LoadPolicy.parse(self.load_policy)
         self._validate_deep_tiers()
+        registry.check(self)  # each store checks its own knobs
+        stores = registry.configured(self)
+        if stores and not self.enabled:
+            raise ConfigError(
+                f"the tiers below host ({', '.join(kind.name for kind in stores)}) are staged "
+                "through host memory: set kv_offloading_size (GiB of host memory) as well")
         check_bounds(self, BOUNDS)
 
     def _validate_deep_tiers(self) -> None:
-        if self.disk_kv_size < 0:
-            raise ConfigError(f"disk_kv_size={self.disk_kv_size} GiB must be >= 0 (0 = off)")
-        if self.disk_kv_size > 0 and not self.disk_kv_path:
-            raise ConfigError("disk_kv_size is set but disk_kv_path is not; name a directory")
-        if self.disk_kv_path and self.disk_kv_size == 0:
-            raise ConfigError("disk_kv_path is set but disk_kv_size is 0; give its size in GiB")
-        for name in ("disk_kv_max_gbps", "disk_kv_read_gbps", "remote_kv_read_gbps"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name}={value} must be > 0 (or unset)")
         if not self.fetch_deadline_s > 0:
             raise ConfigError(f"fetch_deadline_s={self.fetch_deadline_s} must be > 0 seconds: "
                               "the longest a wake waits on disk or Redis before the rest is "
@@ -194,22 +190,7 @@ class TierConfig:
             if not self.enabled:
                 raise ConfigError("kv_offload_dtype encodes blocks on their way down to host "
                                   "memory (and below): set kv_offloading_size as well")
-        if self.remote_kv_ttl_s is not None and not self.remote_kv_ttl_s > 0:
-            raise ConfigError(f"remote_kv_ttl_s={self.remote_kv_ttl_s} must be > 0 (or unset)")
-        if self.remote_kv_ttl_s is not None and not self.remote_kv_url:
-            raise ConfigError("remote_kv_ttl_s is set but remote_kv_url is not")
-        if self.remote_kv_url is not None:
-            validate_url(self.remote_kv_url)
-        if self.remote_kv_read_replicas and not (self.remote_kv_url
-                                                 and is_cluster_url(self.remote_kv_url)):
-            raise ConfigError("remote_kv_read_replicas reads a cluster's replicas: set "
-                              "remote_kv_url=redis-cluster://host:port,... as well")
         self._validate_secret()
-        if (self.disk_enabled or self.remote_enabled) and not self.enabled:
-            raise ConfigError(
-                "the disk and remote tiers are staged through host memory: set "
-                "kv_offloading_size (GiB of host memory) as well"
-            )
 
     def _validate_secret(self) -> None:
         """The MAC secret's knobs; messages name the knob, never the secret."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.tier.books.manager import TierManager
 from kvtier.tier.jobs import Event, Result
-from kvtier.tier.manager import TierManager
-from kvtier.tier.worker.worker import TierWorker
+from kvtier.tier.worker import TierWorker
 
 
 @dataclass(frozen=True)

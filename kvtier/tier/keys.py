@@ -6,26 +6,66 @@ Equal keys mean equal namespace and equal whole prefix; token ids confirm every 
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from array import array
 from collections.abc import Sequence
+from typing import ClassVar
 
 BlockKey = bytes  # 16-byte blake2b digest; the first block of a chain is seeded by a namespace
 
 SWAP_PREFIX = b"swap:"
 
 
-class Medium(str, enum.Enum):
-    """Where a block's bytes can be; the value is the label used in stats and metrics."""
+class Medium(str):
+    """Where a block's bytes can be: the device, host memory, or a store below host. An open
+    set: each store names its own (`declare`), and the name is the label used in stats,
+    metrics and reports. `shared`: a store other instances read too (a wake from it is a
+    "remote" residency; from a local one, "disk")."""
 
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    REMOTE = "remote"
+    __slots__ = ()
+    _shared: ClassVar[dict[str, bool]] = {}
+    _interned: ClassVar[dict[str, Medium]] = {}  # one object per name: `is` compares, as enums
+    DEVICE: ClassVar[Medium]
+    HOST: ClassVar[Medium]
+    DISK: ClassVar[Medium]
+    REMOTE: ClassVar[Medium]
 
-    def __str__(self) -> str:  # "remote" in messages, not "Medium.REMOTE"
-        return self.value
+    def __new__(cls, name: str) -> Medium:
+        medium = cls._interned.get(name)
+        if medium is None:
+            medium = cls._interned.setdefault(name, super().__new__(cls, name))
+        return medium
+
+    def __reduce__(self) -> tuple[type[Medium], tuple[str]]:
+        return Medium, (self.value,)  # unpickled (another process) as the same object
+
+    @classmethod
+    def declare(cls, name: str, shared: bool) -> Medium:
+        """The medium of a store below host, declared once (the same again is a no-op)."""
+        if not name.isidentifier() or name in ("device", "host"):
+            raise ValueError(f"a store's medium must be an identifier other than device and "
+                             f"host, not {name!r}")
+        if cls._shared.setdefault(name, shared) != shared:
+            raise ValueError(f"medium {name!r} is already declared with shared="
+                             f"{cls._shared[name]}")
+        return cls(name)
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other instances read this medium's blocks too."""
+        return Medium._shared.get(self.value, False)
+
+    def __repr__(self) -> str:
+        return f"Medium({self.value!r})"
+
+
+Medium.DEVICE, Medium.HOST = Medium("device"), Medium("host")
+Medium.DISK = Medium.declare("disk", shared=False)  # the local disk store's
+Medium.REMOTE = Medium.declare("remote", shared=True)  # the Redis / Valkey store's
 
 
 def hash_block(parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tier.index.base import IndexStats
+from kvtier.tier.books.protocol import IndexStats
 
 
 @dataclass

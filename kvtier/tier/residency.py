@@ -27,8 +27,11 @@ class Residency(str, enum.Enum):
 
     @classmethod
     def from_medium(cls, medium: Medium) -> Residency:
-        """The residency of state found on `medium` (on the device itself: resident)."""
-        return _FROM_MEDIUM[medium]
+        """The residency of state found on `medium` (on the device itself: resident; in a
+        store below host: disk for a local one, remote for a shared one)."""
+        if medium in _FROM_MEDIUM:
+            return _FROM_MEDIUM[medium]
+        return cls.REMOTE if medium.shared else cls.DISK
 
     @property
     def restored(self) -> bool:
@@ -39,7 +42,5 @@ class Residency(str, enum.Enum):
 _FROM_MEDIUM = {
     Medium.DEVICE: Residency.RESIDENT,
     Medium.HOST: Residency.HOST,
-    Medium.DISK: Residency.DISK,
-    Medium.REMOTE: Residency.REMOTE,
 }
 _RESTORED = frozenset({Residency.HOST, Residency.DISK, Residency.REMOTE})

@@ -20,8 +20,8 @@ from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
 from kvtier.tier import Faults
+from kvtier.tier.io.block_format import BlockHeader, encode_header, pack, unpack
 from kvtier.tier.keys import Medium, hash_blocks
-from kvtier.tier.worker.block_format import BlockHeader, encode_header, pack, unpack
 
 # Fixed starting read rates: the planner's call for the tiny model (whose prefill is nearly
 # free) must not hang on this machine's disk or Redis latency of the minute.

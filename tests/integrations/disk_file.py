@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.tier import TierConfig
-from kvtier.tier.worker.disk_open import disk_geometry
-from kvtier.tier.worker.disk_store import FILE_HEADER_NBYTES, FILE_NAME, read_headers, round_up
+from kvtier.tier.stores.disk.file import FILE_HEADER_NBYTES, FILE_NAME, read_headers, round_up
+from kvtier.tier.stores.disk.open import disk_geometry
 
 
 def blocks_on_disk(config: TierConfig, slot_bytes: int, block_size: int

@@ -12,13 +12,13 @@ from kvtier.integrations.vllm.events import BlockOrigin, KVEvents
 from kvtier.integrations.vllm.groups import Window
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.tier import ChangeKind, Fingerprint, Medium, ResidencyChange, Result, TierConfig
-from kvtier.tier.below import BelowHost
-from kvtier.tier.index.disk import DiskTier
-from kvtier.tier.index.host import HostTier
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import TierManager, job_ids
+from kvtier.tier.books.residency_log import ResidencyLog
 from kvtier.tier.keys import hash_blocks
-from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
-from kvtier.tier.residency_log import ResidencyLog
+from kvtier.tier.stores.disk.index import DiskTier
 
 BS = 4
 FP = Fingerprint("w", "arch", "bf16", BS, "")

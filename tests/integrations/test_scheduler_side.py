@@ -4,9 +4,9 @@ vLLM's block size 4 here, a host of 8 slots, requests as token lists."""
 from kvtier.integrations.vllm.groups import Window
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.tier import Fingerprint, Medium, Result, TierConfig
-from kvtier.tier.below import BelowHost
-from kvtier.tier.index.host import HostTier
-from kvtier.tier.manager import TierManager, job_ids
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
 
 BS = 4

@@ -16,17 +16,17 @@ from kvtier.integrations.vllm.counters import tier_counters
 from kvtier.integrations.vllm.settings import settings
 from kvtier.metrics import Metrics
 from kvtier.stats import below_host_stats
-from kvtier.tier import below as below_module
-from kvtier.tier.below import BelowHost
+from kvtier.tier.books import below as below_module
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import FETCHING, TierManager, job_ids
 from kvtier.tier.config import TierConfig
 from kvtier.tier.deadline import DEADLINE_FLOOR_S, fetch_budget_s
-from kvtier.tier.index.disk import DiskTier
-from kvtier.tier.index.host import HostTier
-from kvtier.tier.index.remote import RemotePresence, RemoteTier
 from kvtier.tier.jobs import Job, Reason, Result
 from kvtier.tier.keys import Medium, hash_blocks
-from kvtier.tier.manager import FETCHING, TierManager, job_ids
 from kvtier.tier.planner import MIN_TIER_GBPS, Calibration, Planner
+from kvtier.tier.stores.disk.index import DiskTier
+from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
 
 BS = 4  # tokens per block
 NBYTES = 1000  # bytes of one block, on the host link and below
@@ -216,7 +216,7 @@ def test_the_cool_down_doubles_up_to_its_cap() -> None:
 def test_failed_writes_are_counted_by_reason_and_logged_with_the_count(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     m = manager(remote=True)
-    caplog.set_level(logging.WARNING, logger="kvtier.tier.below")
+    caplog.set_level(logging.WARNING, logger="kvtier.tier.books.below")
 
     def store_and_time_out(first: int) -> None:
         m.store([first, first + 1], KEYS[first:first + 2], CHUNKS[first:first + 2])

@@ -3,9 +3,9 @@
 import pytest
 from conftest import ks
 
-from kvtier.tier.index.base import PrepareStoreResult, Tier
-from kvtier.tier.index.host import HostTier
-from kvtier.tier.index.policy import POLICIES
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.policy import POLICIES
+from kvtier.tier.books.protocol import PrepareStoreResult, Tier
 from kvtier.tier.keys import Medium, hash_blocks
 
 

@@ -6,15 +6,15 @@ import sys
 import threading
 import time
 
-from kvtier.tier.below import BelowHost
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import FETCHING, NO_MATCH, RequestOutcome, TierManager, job_ids
 from kvtier.tier.config import TierConfig
-from kvtier.tier.index.disk import DiskTier
-from kvtier.tier.index.host import HostTier
-from kvtier.tier.index.remote import RemotePresence, RemoteTier
 from kvtier.tier.jobs import FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import Medium, hash_blocks
-from kvtier.tier.manager import FETCHING, NO_MATCH, RequestOutcome, TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
+from kvtier.tier.stores.disk.index import DiskTier
+from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
 
 BS = 4  # tokens per block
 NBYTES = 1000  # bytes of one block across the host link
@@ -249,7 +249,8 @@ def test_jobs_share_one_id_space() -> None:
 
 
 def test_the_bookkeeping_imports_no_torch() -> None:
-    code = ("import sys, kvtier.tier.manager, kvtier.tier.below, kvtier.tier.index.remote, "
+    code = ("import sys, kvtier.tier.books.manager, kvtier.tier.books.below, "
+            "kvtier.tier.stores.redis.index, kvtier.tier.stores.disk.index, "
             "kvtier.tier.layout, kvtier.tier.jobs; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -4,15 +4,15 @@ tiers' bookkeeping changes, taken in order through the manager; nothing kept unl
 from conftest import ks
 
 from kvtier.tier import ChangeKind, ResidencyChange
-from kvtier.tier.below import BelowHost
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import TierManager, job_ids
+from kvtier.tier.books.residency_log import ResidencyLog
 from kvtier.tier.config import TierConfig
-from kvtier.tier.index.disk import DiskTier
-from kvtier.tier.index.host import HostTier
 from kvtier.tier.jobs import Result
 from kvtier.tier.keys import Medium
-from kvtier.tier.manager import TierManager, job_ids
 from kvtier.tier.planner import Calibration, Planner
-from kvtier.tier.residency_log import ResidencyLog
+from kvtier.tier.stores.disk.index import DiskTier
 
 BS = 2
 NBYTES = 100

@@ -10,18 +10,18 @@ from typing import Any
 import torch
 
 from kvtier.tier import Calibration, KVLayout, Medium, Planner, TierConfig, TierManager
-from kvtier.tier.below import BelowHost
-from kvtier.tier.index.base import IndexStats, PrepareStoreResult
-from kvtier.tier.index.host import HostTier
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import FETCHING, job_ids
+from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
+from kvtier.tier.io.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
+from kvtier.tier.io.store import StoreMiss
+from kvtier.tier.io.thread import TierIO
 from kvtier.tier.jobs import FetchDone, LoadDone, Reason
 from kvtier.tier.keys import BlockKey, hash_blocks
-from kvtier.tier.manager import FETCHING, job_ids
-from kvtier.tier.worker.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
-from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.io import TierIO
-from kvtier.tier.worker.link import TransferEngine
-from kvtier.tier.worker.stores import StoreMiss
-from kvtier.tier.worker.worker import TierWorker
+from kvtier.tier.link.engine import TransferEngine
+from kvtier.tier.link.host_pool import HostPool
+from kvtier.tier.worker import TierWorker
 
 NS = bytes(range(16))
 BS, BLOCKS = 4, 8

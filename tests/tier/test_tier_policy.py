@@ -4,8 +4,8 @@ import pytest
 from conftest import k, ks
 
 from kvtier.errors import ConfigError
-from kvtier.tier.index.host import HostTier
-from kvtier.tier.index.policy import POLICIES, ARCPolicy, LRUPolicy, make_policy
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.policy import POLICIES, ARCPolicy, LRUPolicy, make_policy
 
 
 def never(key: bytes) -> bool:

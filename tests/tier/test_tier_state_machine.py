@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.tier.index.host import HostTier
+from kvtier.tier.books.host import HostTier
 
 CAPACITY = 4
 KEY_IDS = st.integers(0, 7)  # 8 keys for 4 slots: eviction is frequent

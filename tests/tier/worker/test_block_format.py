@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.tier.fingerprint import FORMAT_VERSION, Fingerprint
-from kvtier.tier.jobs import Reason
-from kvtier.tier.worker.block_format import (
+from kvtier.tier.io.block_format import (
     BlockHeader,
     CorruptBlock,
     check,
@@ -28,6 +27,7 @@ from kvtier.tier.worker.block_format import (
     tensor_bytes,
     unpack,
 )
+from kvtier.tier.jobs import Reason
 
 NS = Fingerprint("w" * 64, "llama", "float32", 16, "t" * 64).namespace()
 

@@ -19,9 +19,9 @@ from redis_server import RedisServer
 
 from kvtier.errors import ConfigError
 from kvtier.tier import Job, KVLayout, Medium, Reason, Result, TierConfig, build_worker_side
+from kvtier.tier.builder import NO_SECRET_WARNING
 from kvtier.tier.config import GIB
-from kvtier.tier.wiring import NO_SECRET_WARNING
-from kvtier.tier.worker.block_format import (
+from kvtier.tier.io.block_format import (
     BlockHeader,
     check,
     encode_header,
@@ -29,8 +29,8 @@ from kvtier.tier.worker.block_format import (
     payload_checksum,
     unpack,
 )
-from kvtier.tier.worker.block_mac import MAC_NBYTES, BlockMac
-from kvtier.tier.worker.worker import TierWorker
+from kvtier.tier.io.block_mac import MAC_NBYTES, BlockMac
+from kvtier.tier.worker import TierWorker
 
 NS = bytes(range(16))
 SECRET = "kvtier-test-secret-" + "7" * 13  # distinctive: any leak of it is found

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tier.worker.block_format import check, max_header_nbytes
-from kvtier.tier.worker.disk_store import DiskStore
+from kvtier.tier.io.block_format import check, max_header_nbytes
+from kvtier.tier.stores.disk.file import DiskStore
 
 SLOTS, PAYLOAD, BLOCK = 32, 1 << 20, 4  # 1 MiB payloads: a write takes long enough to be hit
 NS = bytes(range(16))
 
 WRITER = """
 import hashlib, sys
-from kvtier.tier.worker.block_format import BlockHeader, payload_checksum, max_header_nbytes
-from kvtier.tier.worker.disk_store import DiskStore
+from kvtier.tier.io.block_format import BlockHeader, payload_checksum, max_header_nbytes
+from kvtier.tier.stores.disk.file import DiskStore
 slots, size, block, directory = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = DiskStore(directory, slots, size, max_header_nbytes(block))
 n = 0

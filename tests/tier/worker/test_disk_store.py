@@ -15,7 +15,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.tier.fingerprint import Fingerprint
-from kvtier.tier.worker.block_format import (
+from kvtier.tier.io.block_format import (
     MAGIC,
     BlockHeader,
     CorruptBlock,
@@ -24,7 +24,7 @@ from kvtier.tier.worker.block_format import (
     payload_checksum,
     tensor_bytes,
 )
-from kvtier.tier.worker.disk_store import FILE_HEADER_NBYTES, FILE_NAME, OWNER_FILE, DiskStore
+from kvtier.tier.stores.disk.file import FILE_HEADER_NBYTES, FILE_NAME, OWNER_FILE, DiskStore
 
 NS = Fingerprint("w" * 64, "llama", "float32", 4, "t" * 64).namespace()
 BLOCK_SIZE = 4

@@ -11,7 +11,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.tier.config import GIB, available_ram_bytes
-from kvtier.tier.worker import HostPool
+from kvtier.tier.link import HostPool
 
 MIB = 1024**2
 
@@ -56,7 +56,7 @@ def test_the_pool_is_resident_at_construction() -> None:
     # already resident, which honestly shows as little growth.
     code = (
         "import json, torch\n"
-        "from kvtier.tier.worker.host_pool import HostPool\n"
+        "from kvtier.tier.link.host_pool import HostPool\n"
         "kv = torch.zeros(4, 3, 4, 2, 2, 8)\n"
         "print(json.dumps(HostPool.from_size(64 / 1024, kv).stats()))\n"
     )

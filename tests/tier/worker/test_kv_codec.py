@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
-from kvtier.tier.worker.codec import ENCODINGS, decode, encode, encoded_nbytes
+from kvtier.tier.link.codec import ENCODINGS, decode, encode, encoded_nbytes
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 F32_TINY = torch.finfo(torch.float32).tiny
@@ -310,8 +310,8 @@ def test_vllms_heads_first_layers_encode_as_the_same_block_in_kvtiers_layout(
     codec as kvtier's [layers, block_size, 2, heads, head_dim] block: the same bytes below
     host whichever engine wrote them, and a load puts each value back where it was."""
     from kvtier.tier.layout import KVLayout
-    from kvtier.tier.worker.copy import move_blocks
-    from kvtier.tier.worker.host_pool import HostPool
+    from kvtier.tier.link.copy import move_blocks
+    from kvtier.tier.link.host_pool import HostPool
 
     layers, blocks, heads, bs, dim = 3, 6, 2, 4, 8
     torch.manual_seed(0)

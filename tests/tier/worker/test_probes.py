@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tier.worker import probes
+from kvtier.tier.stores.disk import probe as probes
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -15,10 +15,10 @@ from redis_server import free_port
 
 from kvtier.errors import ConfigError
 from kvtier.tier.config import TierConfig
-from kvtier.tier.redis_url import mask_url, parse_cluster_url, validate_url
-from kvtier.tier.worker.redis_cluster_store import ClusterStore
-from kvtier.tier.worker.remote_store import Landed
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.stores.redis.cluster_store import ClusterStore
+from kvtier.tier.stores.redis.kv import Landed
+from kvtier.tier.stores.redis.unavailable import RemoteUnavailable
+from kvtier.tier.stores.redis.url import mask_url, parse_cluster_url, validate_url
 
 NS = b"n" * 16
 

@@ -16,10 +16,10 @@ from redis.exceptions import AskError, MovedError
 from redis_server import RedisServer, free_port, redis_server_binary
 
 from kvtier.errors import ConfigError
-from kvtier.tier.worker.redis_direct import DirectReader
-from kvtier.tier.worker.redis_store import RedisStore
-from kvtier.tier.worker.remote_store import Landed
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.stores.redis.direct import DirectReader
+from kvtier.tier.stores.redis.kv import Landed
+from kvtier.tier.stores.redis.store import RedisStore
+from kvtier.tier.stores.redis.unavailable import RemoteUnavailable
 
 NS = bytes(range(16))
 ROW = 1 << 20

@@ -14,9 +14,9 @@ import redis
 from redis_server import RedisServer, free_port
 
 from kvtier.errors import ConfigError
-from kvtier.tier.redis_url import mask_url
-from kvtier.tier.worker.redis_store import RedisStore
-from kvtier.tier.worker.unavailable import RemoteUnavailable
+from kvtier.tier.stores.redis.store import RedisStore
+from kvtier.tier.stores.redis.unavailable import RemoteUnavailable
+from kvtier.tier.stores.redis.url import mask_url
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(16, 32))

@@ -18,20 +18,20 @@ from redis_server import RedisServer
 from trickle_proxy import TrickleProxy
 
 from kvtier.tier import KVLayout, Medium
-from kvtier.tier.below import BelowHost
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import FETCHING, Match, TierManager, job_ids
 from kvtier.tier.config import TierConfig
-from kvtier.tier.index.host import HostTier
-from kvtier.tier.index.remote import RemotePresence, RemoteTier
+from kvtier.tier.io.thread import TierIO
 from kvtier.tier.jobs import Job, Reason, Result
 from kvtier.tier.keys import hash_blocks
-from kvtier.tier.manager import FETCHING, Match, TierManager, job_ids
+from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.planner import Calibration, Planner
-from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.io import TierIO
-from kvtier.tier.worker.redis_cluster_store import ClusterStore
-from kvtier.tier.worker.redis_store import RedisStore
-from kvtier.tier.worker.stores import RemoteBlocks
-from kvtier.tier.worker.unavailable import RemoteTimeout
+from kvtier.tier.stores.redis.blocks import RemoteBlocks
+from kvtier.tier.stores.redis.cluster_store import ClusterStore
+from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
+from kvtier.tier.stores.redis.store import RedisStore
+from kvtier.tier.stores.redis.unavailable import RemoteTimeout
 
 NS = bytes(range(16))
 BS, N = 4, 8  # 8 blocks of 4 tokens, about 2.2 KB each as stored

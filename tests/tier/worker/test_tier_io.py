@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from kvtier.tier import KVLayout, Medium
+from kvtier.tier.io import thread as io
+from kvtier.tier.io.block_format import BlockHeader, Buffer, pack, unpack
+from kvtier.tier.io.store import StoreMiss
+from kvtier.tier.io.thread import TierIO
 from kvtier.tier.jobs import Job, Reason
 from kvtier.tier.keys import hash_blocks
-from kvtier.tier.worker import io
-from kvtier.tier.worker.block_format import BlockHeader, Buffer, pack, unpack
-from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.io import TierIO
-from kvtier.tier.worker.stores import StoreMiss
+from kvtier.tier.link.host_pool import HostPool
 
 NS = bytes(range(16))
 BS = 4

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.tier import Job, Medium
-from kvtier.tier.worker import HostPool, TransferEngine
+from kvtier.tier.link import HostPool, TransferEngine
 
 pytestmark = [
     pytest.mark.gpu,

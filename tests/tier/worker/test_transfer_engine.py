@@ -11,8 +11,8 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.tier import Job, Medium, Result
-from kvtier.tier.worker import HostPool, TransferEngine
-from kvtier.tier.worker.copy import block_runs
+from kvtier.tier.link import HostPool, TransferEngine
+from kvtier.tier.link.copy import block_runs
 
 BLOCK_BYTES = 3 * 4 * 2 * 2 * 8 * 4  # 3 layers x 4 tokens x (k, v) x 2 heads x 8 dims x fp32
 
@@ -238,7 +238,7 @@ def test_block_runs_group_consecutive_pairs() -> None:
 @pytest.mark.parametrize("placement", ["contiguous", "per-layer", "one-allocation"])
 def test_a_load_shared_by_a_copy_team_is_byte_exact(placement: str) -> None:
     from kvtier.tier.layout import KVLayout
-    from kvtier.tier.worker.copy import TEAM_MIN_BYTES, CopyTeam, _share, stacked_layers
+    from kvtier.tier.link.copy import TEAM_MIN_BYTES, CopyTeam, _share, stacked_layers
 
     kv = torch.randn(64, 3, 64, 2, 2, 32)  # 96 KiB blocks: 48 of them are worth a team
     per_layer = placement != "contiguous"
@@ -276,7 +276,7 @@ def test_a_load_shared_by_a_copy_team_is_byte_exact(placement: str) -> None:
 
 def test_layers_not_evenly_spaced_in_one_allocation_are_copied_layer_by_layer() -> None:
     from kvtier.tier.layout import KVLayout
-    from kvtier.tier.worker.copy import copy_blocks, stacked_layers
+    from kvtier.tier.link.copy import copy_blocks, stacked_layers
 
     buf = torch.randn(3 * 48 + 5)  # three [4, 2, 6] layers at offsets 0, 48, 101
     layers = [buf[o : o + 48].view(4, 2, 6) for o in (0, 48, 101)]

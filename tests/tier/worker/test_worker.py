@@ -6,9 +6,9 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.tier import Job, KVLayout, Medium, TierWorker
-from kvtier.tier.worker.host_pool import HostPool
-from kvtier.tier.worker.io import TierIO
-from kvtier.tier.worker.link import TransferEngine
+from kvtier.tier.io.thread import TierIO
+from kvtier.tier.link.engine import TransferEngine
+from kvtier.tier.link.host_pool import HostPool
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 10, 2, 4, 8
 NS = b"\x00" * 16  # the namespace blocks below host would carry (none here)

@@ -1,0 +1,400 @@
+"""TierManager: the scheduler side of the tier. Bookkeeping only: no tensors, no device pool.
+
+Primitives, in the order a client calls them:
+  match(request, keys, tokens)      leading blocks the host holds (to load), with the
+                                    planner's verdict; a prefix that goes on below host is
+                                    fetched up first (FETCHING until it lands); None = a
+                                    remote presence answer is pending, ask again next step
+  allocated(request, match, blocks) device blocks are ready: start the host -> device load
+  outcome(request)                  what was restored, from where, in how long, lossy, failed
+  store(blocks, keys, tokens)       device blocks -> host slots (the client holds an extra
+                                    reference on each device block until its StoreDone)
+  finished(request)                 the request is gone: its per-request state is dropped
+  reset()                           the client's keys move to a new identity (its engine's
+                                    weights may have changed): drop every unpinned host block
+  take_jobs() -> [Job]              jobs decided since the last call, for the worker
+  apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
+and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
+observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy, close(),
+take_residency_changes() -> [ResidencyChange] (which blocks became resident on host or disk,
+or stopped being, since the last call: recorded only for a manager built to keep them).
+Between a job's creation and its result, its host slots are pinned in the host index (and
+a deeper tier's slots in theirs): neither is evicted nor handed out again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.load_policy import Ahead, Decline, LoadPolicy
+from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
+from kvtier.tier.config import TierConfig
+from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
+from kvtier.tier.keys import BlockKey, Medium, is_swap_key
+from kvtier.tier.match import FETCHING, NO_MATCH, Match, declines
+from kvtier.tier.outcome import RequestOutcome, landed
+from kvtier.tier.planner import Decision, Planner
+from kvtier.tier.report import TierStats, TransferCounts
+
+
+@dataclass
+class _Pending:
+    """A device <-> host job in flight, with what its completion must do."""
+
+    job: Job
+    keys: list[BlockKey]
+    request_id: str | None = None
+    predicted_s: float | None = None
+    tokens: int = 0  # a load: the tokens it restores
+    swap: bool = False  # a load: a preempted request's own state coming back
+    demote: bool = False
+    evict_first: bool = False
+    exclusive: bool = False  # a load after which the host copy is dropped (write-back)
+    decided_at: float = field(default_factory=time.perf_counter)  # its wait counts too
+
+
+@dataclass
+class _Request:
+    """The tier's own state of one request (kept off the engine's sequence object)."""
+
+    checked_below: bool = False  # tiers below host were consulted once: never fetch twice
+    declined: Counter[Decline] = field(default_factory=Counter)  # tokens found, recomputed
+    fetched_from: Medium | None = None
+    fetching: bool = False  # its fetch below host is on its way
+    outcome: RequestOutcome = field(default_factory=RequestOutcome)
+
+
+class TierManager:
+    """Coordinates the host index, the tiers below it and the planner for one client."""
+
+    def __init__(self, config: TierConfig, block_size: int, host: HostTier, planner: Planner,
+                 block_bytes: int, below: BelowHost, ids: Iterator[int],
+                 residency: ResidencyLog | None = None) -> None:
+        """`residency`: the log the host and disk indexes record into (None: none kept)."""
+        self.config = config
+        self.block_size = block_size
+        self.host = host
+        self.planner = planner
+        self.block_bytes = block_bytes  # bytes of one block across the host link
+        self.below = below  # the tiers below host; empty (and false) when there are none
+        self.lossy = bool(config.kv_offload_dtype)  # host slots hold 8-bit encodings
+        self.load_policy = LoadPolicy.parse(config.load_policy)  # restore or recompute
+        self.stats = TransferCounts()
+        self.declined: Counter[Decline] = Counter()  # admitted requests per reason declined
+        self._ids = ids
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: list[Job] = []
+        self._requests: dict[str, _Request] = {}
+        self._residency = residency if residency is not None else ResidencyLog(enabled=False)
+
+    # -- queries ------------------------------------------------------------------------
+
+    def host_hits(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> int:
+        return self.host.lookup(keys, tokens) if keys else 0
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a tier below the device already keeps `key` (host, or the local disk)."""
+        return self.host.lookup([key]) == 1 or self.below.holds(key)
+
+    @property
+    def busy(self) -> bool:
+        """A job decided or running, or a presence answer awaited."""
+        return bool(self._pending) or self.below.busy
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Host -> device loads and fetches up to host decided and not landed."""
+        loads = sum(1 for p in self._pending.values() if p.job.dst is Medium.DEVICE)
+        return loads + sum(1 for p in self.below.jobs.values() if p.job.dst is Medium.HOST)
+
+    def _ahead(self, compute_tokens: int, via: str | None = None) -> Ahead:
+        """What a new load would queue behind: loads in flight, fetches queued on `via`."""
+        link = sum(p.job.num_blocks for p in self._pending.values()
+                   if p.job.dst is Medium.DEVICE) * self.block_bytes
+        queued = sum(p.job.num_blocks for p in self.below.jobs.values()
+                     if via is not None and p.job.dst is Medium.HOST and p.job.src.value == via)
+        fetch_s = (queued * self.below.block_bytes / (self.planner.tier_gbps(via) * 1e9)
+                   if via is not None else 0.0)
+        return Ahead(self.loads_in_flight, link, fetch_s, compute_tokens)
+
+    @property
+    def below_host(self) -> bool:
+        """Whether a tier below host memory (disk, Redis) is configured."""
+        return bool(self.below)
+
+    @property
+    def host_slots(self) -> int:
+        return self.host.num_slots
+
+    def wait_presence(self) -> None:
+        """Block until the remote store has answered what was asked (or a short timeout)."""
+        self.below.wait_presence()
+
+    def decide(self, tokens: int, nbytes: int, mode: str = "auto", via: str | None = None
+               ) -> Decision:
+        """The planner's restore-or-recompute verdict for `tokens` whose KV is `nbytes`
+        (first fetched up from the tier `via`, if given)."""
+        return self.planner.decide(tokens, nbytes, mode, via)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A measured prefill of `tokens`: scores and refines the recompute estimate."""
+        self.planner.observe_prefill(tokens, seconds, self.planner.recompute_s(tokens))
+
+    def close(self) -> None:
+        """Stop the tiers' own threads (a remote presence thread); the worker is closed apart."""
+        self.below.close()
+
+    def take_residency_changes(self) -> list[ResidencyChange]:
+        """Blocks that became resident on host or disk, or stopped being, since the last
+        call, in order (empty unless the manager was built to keep them)."""
+        return self._residency.take()
+
+    def report(self) -> TierStats:
+        """A frozen snapshot of everything the scheduler side counts (see report.py)."""
+        return TierStats(
+            host=self.host.stats, transfers=replace(self.stats),
+            calibration={**vars(self.planner.calibration),  # a slow tier's rate while slow
+                         "tier_gbps": {t: self.planner.tier_gbps(t)
+                                       for t in self.planner.calibration.tier_gbps}},
+            prediction_error=self.planner.error_report(),
+            below=self.below.report() if self.below else None,
+            declined={reason.value: n for reason, n in self.declined.items()})
+
+    # -- match and load -----------------------------------------------------------------
+
+    def match(self, request_id: str, keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], preempted: bool = False,
+              compute_ahead: int = 0) -> Match | None:
+        """The blocks after the device prefix (`keys[i]` covers `tokens[i]`; a preempted
+        sequence's partial last block included) that are worth restoring rather than
+        recomputing, `compute_ahead` prefill tokens being admitted before it and not yet
+        computed. None: a deeper tier's answer is pending, ask again next step. Where
+        the prefix goes on below host and reading it up beats recomputing it, the fetch
+        starts here and the answer is FETCHING (not yet) until it lands."""
+        state = self._requests.setdefault(request_id, _Request())
+        if state.fetching:
+            return FETCHING
+        hits = self.host_hits(keys, tokens)
+        cap = self.config.max_load_tokens
+        if cap is not None:
+            hits = min(hits, cap // self.block_size)
+        if not preempted and not state.checked_below and hits < len(keys) and self.below:
+            media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
+            if media is None:
+                return None
+            state.checked_below = True
+            if cap is not None:
+                media = media[: max(0, cap // self.block_size - hits)]
+            if self._fetch(request_id, state, keys[hits:], tokens[hits:], media,
+                           compute_ahead):
+                return FETCHING
+        if hits == 0:
+            return Match(declined_by=declines(state.declined)) if state.declined else NO_MATCH
+        restored = sum(len(t) for t in tokens[:hits])
+        reason = None
+        if preempted:  # a swap was already judged worth it
+            decision = self.planner.decide(restored, hits * self.block_bytes, "swap")
+        else:
+            decision, reason = self.load_policy.decide(
+                self.planner, restored, hits * self.block_bytes, self._ahead(compute_ahead))
+        if reason is not None:
+            return Match(decision=decision,
+                         declined_by=declines(state.declined, (reason, restored)))
+        return Match(tuple(keys[:hits]), restored, decision, state.fetched_from,
+                     declined_by=declines(state.declined))
+
+    def _fetch(self, request_id: str, state: _Request, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]], media: list[Medium], compute_ahead: int
+               ) -> bool:
+        """Start bringing the leading `media` blocks up to host if reading them beats
+        recomputing them; False if not worth it or the host has no room (those tokens are
+        then recomputed, and counted so when the request is admitted)."""
+        if not media:
+            return False
+        below, cap = self.below, self.config.fetch_deadline_s
+        # No more than its deadline's cap brings at the predicted rate: the rest is recomputed.
+        n = min(len(media), self.planner.blocks_within(below.deepest(media).value,
+                                                       below.block_bytes, cap))
+        state.declined[Decline.DEADLINE] += (len(media) - n) * self.block_size
+        if n == 0:
+            return False
+        via = below.deepest(media[:n]).value
+        _, reason = self.load_policy.decide(self.planner, n * self.block_size,
+                                            n * self.block_bytes,
+                                            self._ahead(compute_ahead, via), via,
+                                            via_nbytes=n * below.block_bytes)
+        if reason is not None:
+            state.declined[reason] += n * self.block_size
+            return False
+
+        def predict(k: int) -> float:
+            return self.planner.fetch_s(via, k * below.block_bytes)
+
+        if below.fetch(request_id, keys[:n], tokens[:n], media[:n], predict, cap):
+            state.fetching = True
+            return True
+        state.declined[Decline.NO_ROOM] += n * self.block_size
+        return False
+
+    def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
+                  layerwise: bool = False, exclusive: bool = False, swap_in: bool = False
+                  ) -> int | None:
+        """The request is admitted with `device_blocks` for `match.load_keys`: start the
+        load and return its job id (None when there is nothing to load). `exclusive`: once
+        loaded, the device copy is the one that counts and the host slots are freed (a
+        client that writes blocks back when it evicts them); `swap_in`: the request's own
+        state after a preemption, counted apart from its prompt's restore."""
+        state = self._requests.setdefault(request_id, _Request())
+        state.declined.clear()  # counted once, by this admission
+        self.declined.update(reason for reason, _ in match.declined_by)
+        self.below.release(request_id)  # the load takes pins of its own
+        if not match.load_keys:
+            return None
+        o, n = state.outcome, match.restored_tokens
+        o = replace(o, nbytes=o.nbytes + len(match.load_keys) * self.block_bytes,
+                    lossy=o.lossy or self.lossy)
+        state.outcome = (replace(o, swapped_in_tokens=o.swapped_in_tokens + n) if swap_in else
+                         replace(o, restored_tokens=o.restored_tokens + n,
+                                 source=match.residency))
+        keys = list(match.load_keys)
+        slots = self.host.prepare_load(keys)
+        self.host.touch(keys)
+        job = Job(next(self._ids), Medium.HOST, Medium.DEVICE, tuple(slots),
+                  device_blocks=tuple(device_blocks), layerwise=layerwise)
+        predicted = match.decision.restore_s if match.decision is not None else None
+        self._add(_Pending(job, keys, request_id, predicted, match.restored_tokens,
+                           swap_in, exclusive=exclusive))
+        return job.id
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        """What the tier did for the request so far (nothing, for one it does not know)."""
+        state = self._requests.get(request_id)
+        return state.outcome if state is not None else RequestOutcome()
+
+    def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
+        """The request finished or was aborted: forget its state and its swap entries."""
+        self._requests.pop(request_id, None)
+        self.below.release(request_id)
+        self.forget(swap_keys)
+
+    def reset(self) -> int:
+        """Drop every host block no job pins (no key of the old identity is asked for again,
+        so their room is better given back now); how many were dropped. Blocks below host
+        stay: a process on the weights they were computed with may still find them."""
+        return self.host.remove(self.host.complete_keys())
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        """Drop a request's swap entries (pinned ones, still loading, are kept)."""
+        swap = [k for k in keys if is_swap_key(k)]
+        if swap:
+            self.host.remove(swap)
+
+    # -- store --------------------------------------------------------------------------
+
+    def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
+              tokens: Sequence[Sequence[int]], demote: bool = False,
+              evict_first: bool = False) -> tuple[int, ...] | None:
+        """Copy the blocks the host lacks; returns the device blocks the job reads (the
+        client must keep each one alive until its StoreDone), or None if the host could not
+        make room (nothing changes)."""
+        if not keys:
+            return ()
+        prepared = self.host.prepare_store(keys, tokens)
+        if prepared is None:
+            self.stats.store_refused += 1
+            return None
+        if not prepared.keys:
+            return ()
+        where = dict(zip(keys, block_ids))
+        blocks = tuple(where[k] for k in prepared.keys)
+        job = Job(next(self._ids), Medium.DEVICE, Medium.HOST, tuple(prepared.slots),
+                  device_blocks=blocks)
+        self._add(_Pending(job, list(prepared.keys), demote=demote, evict_first=evict_first))
+        return blocks
+
+    def write_down_host(self) -> None:
+        """Every block complete on host that the disk lacks goes down (before a restart)."""
+        self.below.write_down_host()
+
+    # -- jobs and results ---------------------------------------------------------------
+
+    def _add(self, pending: _Pending) -> None:
+        self._pending[pending.job.id] = pending
+        self._outbox.append(pending.job)
+
+    def take_jobs(self) -> list[Job]:
+        jobs, self._outbox = self._outbox, []
+        return jobs + self.below.take_jobs()
+
+    def apply(self, results: Sequence[Result]) -> list[Event]:
+        """Apply finished jobs, in order; the events for the client."""
+        events: list[Event] = []
+        for result in results:
+            if result.job_id in self._pending:
+                events.append(self._finish(self._pending.pop(result.job_id), result))
+                continue
+            assert self.below.owns(result.job_id), f"result of unknown job {result.job_id}"
+            done = self.below.finish(result)
+            if done:
+                self._fetched(done, result)
+                events.append(done)
+        return events
+
+    def _fetched(self, done: FetchDone, result: Result) -> None:
+        state = self._requests.get(done.request_id)
+        if state is not None:
+            state.fetching = False  # asked again: the host holds what verified
+            state.fetched_from = done.source if done.fetched else None
+            state.declined[Decline.LOST] += done.missed * self.block_size
+        if done.slow is not None:  # one late fetch: that tier recomputes for a while
+            self.planner.observe_slow(done.slow.value, result.nbytes, result.seconds)
+        elif done.source is not None and result.nbytes:
+            self.planner.observe_tier(done.source.value, result.nbytes, result.seconds,
+                                      done.predicted_s)
+
+    def _finish(self, pending: _Pending, result: Result) -> Event:
+        job, ok = pending.job, result.success
+        nbytes = job.num_blocks * self.block_bytes
+        if job.dst is Medium.HOST:
+            self.host.complete_store(pending.keys, ok)
+            if ok:
+                self.stats.stored_blocks += len(pending.keys)
+                self.stats.stored_bytes += nbytes
+                # The second hop: host -> each tier below (none: nothing happens).
+                self.below.host_stored([k for k in pending.keys if not is_swap_key(k)])
+            else:
+                self.stats.failed_stores += 1
+            return StoreDone(job.id, job.device_blocks, ok, pending.demote, pending.evict_first)
+        self.host.complete_load(pending.keys, ok)
+        swap = [k for k in pending.keys if is_swap_key(k)]
+        if swap:
+            self.host.remove(swap)  # a preempted sequence's own blocks serve it once
+        if ok and pending.exclusive:
+            # Exclusive tiers: the device copy is now the one that counts and is written back
+            # when evicted, so the host slot is freed and the two pools add up in capacity.
+            self.host.remove(pending.keys)
+        if ok:
+            self.stats.loaded_blocks += len(pending.keys)
+            self.stats.loaded_bytes += nbytes
+            waited = result.finished_at - pending.decided_at if result.finished_at else 0.0
+            self.planner.observe_transfer(nbytes, result.seconds, pending.predicted_s, waited)
+        else:
+            self.stats.failed_loads += 1
+        assert pending.request_id is not None
+        state = self._requests.get(pending.request_id)
+        if state is not None:
+            state.outcome = landed(state.outcome, pending.swap, pending.tokens, ok,
+                                   result.seconds, nbytes)
+        return LoadDone(pending.request_id, job.id, ok, len(pending.keys), nbytes,
+                        result.seconds, result.finished_at)
+
+
+def job_ids() -> Iterator[int]:
+    """The one id counter a manager and its deeper tiers share."""
+    return itertools.count()

@@ -1,0 +1,222 @@
+"""Bookkeeping of a tier made of numbered slots: which key sits in which slot, what is pinned.
+
+Slot i is row i of the host pool (HostTier) or slot i of the disk file (DiskTier); this
+module only hands slots out, pins them while a copy is in flight, and evicts through the
+configured policy. Bytes never pass through here. Where a key becomes resident or stops being
+(a store completes or fails, an eviction, a removal) it is told to the tier's `ResidencyLog`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvtier.errors import ConfigError
+from kvtier.tier.books.policy import make_policy
+from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
+from kvtier.tier.books.residency_log import ChangeKind, ResidencyLog
+from kvtier.tier.keys import BlockKey, Medium
+
+
+@dataclass
+class _Entry:
+    """A key's slot and the token ids that confirm a hit."""
+
+    slot: int
+    tokens: tuple[int, ...]
+
+
+class SlotTier:
+    """Slots 0..num_slots-1 of one tier and the keys they hold (see `protocol.py`)."""
+
+    medium = Medium.DEVICE  # set by each concrete tier
+    size_knob = ""  # the knob that sizes the tier, for the error below
+
+    def __init__(self, num_slots: int, policy: str = "lru",
+                 log: ResidencyLog | None = None) -> None:
+        """`log`: where residency changes go (None: a log that records nothing)."""
+        if num_slots < 1:
+            raise ConfigError(
+                f"{self.medium.value} tier num_slots={num_slots} must be >= 1; "
+                f"raise {self.size_knob}"
+            )
+        self.num_slots = num_slots
+        self.policy = make_policy(policy, num_slots)
+        self._entries: dict[BlockKey, _Entry] = {}  # complete and storing keys
+        self._storing: set[BlockKey] = set()  # pinned, not yet visible to lookup
+        self._pins: dict[BlockKey, int] = {}  # load pins of complete keys; absent means 0
+        self._free: deque[int] = deque(range(num_slots))  # lowest slot first at start
+        self._counts = IndexStats(capacity=num_slots)
+        self.log = log if log is not None else ResidencyLog(enabled=False)
+
+    @property
+    def stats(self) -> IndexStats:
+        """A snapshot: counters so far plus the occupancy and pin gauges now."""
+        return replace(
+            self._counts, used=len(self._entries), pinned=len(self._storing) + len(self._pins)
+        )
+
+    def lookup(
+        self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]] | None = None
+    ) -> int:
+        """How many leading keys are complete (and hold these token ids, when given).
+
+        Takes no pin and records no hit for the policy: call `touch`, then `prepare_load`.
+        """
+        assert token_chunks is None or len(token_chunks) == len(keys), "one chunk per key"
+        hits = 0
+        for i, key in enumerate(keys):
+            self._counts.lookups += 1
+            entry = self._entries.get(key)
+            if entry is None or key in self._storing:
+                break
+            if token_chunks is not None and entry.tokens != tuple(token_chunks[i]):
+                self._counts.collisions += 1
+                break
+            hits += 1
+        self._counts.hits += hits
+        return hits
+
+    def prepare_store(
+        self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]]
+    ) -> PrepareStoreResult | None:
+        """Slots for the keys not yet present (storing ones count as present), pinned until
+        `complete_store`; None, with nothing changed, if too few unpinned keys can be evicted.
+        Keys of this batch that are already present are never evicted to make room.
+        """
+        assert len(token_chunks) == len(keys), "one chunk per key"
+        new: dict[BlockKey, tuple[int, ...]] = {}
+        for key, tokens in zip(keys, token_chunks):
+            if key not in self._entries and key not in new:
+                new[key] = tuple(tokens)
+        evicted: list[BlockKey] = []
+        shortfall = len(new) - len(self._free)
+        if shortfall > 0:
+            unpinned = len(self._entries) - len(self._storing) - len(self._pins)
+            if shortfall > unpinned:
+                return None
+            batch = set(keys)
+            victims = self.policy.evict(shortfall, lambda k: self._pinned(k) or k in batch)
+            if victims is None:
+                return None
+            for key in victims:
+                self._free.append(self._entries.pop(key).slot)
+            self._counts.evictions += len(victims)
+            self.log.record(self.medium, ChangeKind.REMOVED, victims)
+            evicted = victims
+        slots = []
+        for key, tokens in new.items():
+            slot = self._free.popleft()
+            self._entries[key] = _Entry(slot, tokens)
+            self._storing.add(key)
+            self.policy.insert(key)
+            slots.append(slot)
+        return PrepareStoreResult(list(new), slots, evicted)
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
+        """Success makes the keys visible to lookup; failure frees their slots and forgets them."""
+        bad = [k for k in keys if k not in self._storing]
+        if bad or len(set(keys)) != len(keys):
+            raise KeyError(f"complete_store of keys not being stored (or repeated): {bad!r}")
+        for key in keys:
+            self._storing.remove(key)
+            if not success:
+                self._free.append(self._entries.pop(key).slot)
+                self.policy.remove(key)
+        if success:
+            self._counts.stores += len(keys)
+        else:
+            self._counts.store_failures += len(keys)
+        self.log.record(self.medium, ChangeKind.STORED if success else ChangeKind.FAILED, keys)
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Slots of complete keys, one pin each (a key may be loaded by two requests at once)."""
+        self._pin(keys, "prepare_load of keys not present and complete", "; lookup first")
+        return [self._entries[key].slot for key in keys]
+
+    def complete_load(self, keys: Sequence[BlockKey], success: bool = True) -> None:
+        """One pin off each key; a failed load leaves the stored bytes as they were."""
+        self._unpin(keys, "complete_load of keys with no load pin left")
+        if success:
+            self._counts.loads += len(keys)
+        else:
+            self._counts.load_failures += len(keys)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Record hits for the policy; keys absent or still storing are ignored."""
+        for key in keys:
+            if key in self._entries and key not in self._storing:
+                self.policy.touch(key)
+
+    def remove(self, keys: Sequence[BlockKey]) -> int:
+        """Drop the keys that are present and unpinned; how many were dropped."""
+        dropped = [key for key in dict.fromkeys(keys)
+                   if key in self._entries and not self._pinned(key)]
+        for key in dropped:
+            self._free.append(self._entries.pop(key).slot)
+            self.policy.remove(key)
+        self.log.record(self.medium, ChangeKind.REMOVED, dropped)
+        return len(dropped)
+
+    @property
+    def room(self) -> int:
+        """Slots a store could get now: free ones plus those holding unpinned keys."""
+        return len(self._free) + len(self._entries) - len(self._storing) - len(self._pins)
+
+    def hold(self, keys: Sequence[BlockKey]) -> None:
+        """Pin complete keys against eviction (no load is counted): a fetched block waits
+        for its request's admission this way. Undone by `release`."""
+        self._pin(keys, "hold of keys not present and complete")
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Undo `hold`."""
+        self._unpin(keys, "release of keys not held")
+
+    def _pin(self, keys: Sequence[BlockKey], refusal: str, hint: str = "") -> None:
+        """One pin more on each complete key (KeyError, nothing pinned, if any is not)."""
+        bad = [k for k in keys if k not in self._entries or k in self._storing]
+        if bad:
+            raise KeyError(f"{refusal}: {bad!r}{hint}")
+        for key in keys:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, keys: Sequence[BlockKey], refusal: str) -> None:
+        """One pin off each key (KeyError, nothing unpinned, if any has too few)."""
+        bad = [k for k, n in Counter(keys).items() if self._pins.get(k, 0) < n]
+        if bad:
+            raise KeyError(f"{refusal}: {bad!r}")
+        for key in keys:
+            self._pins[key] -= 1
+            if self._pins[key] == 0:
+                del self._pins[key]
+
+    def slot_of(self, key: BlockKey) -> int:
+        """The slot a present key occupies."""
+        return self._entries[key].slot
+
+    def tokens_of(self, key: BlockKey) -> tuple[int, ...]:
+        """The token ids a present key was stored with."""
+        return self._entries[key].tokens
+
+    def complete_keys(self) -> list[BlockKey]:
+        """Every key stored and visible to lookup, least recently used first where the
+        policy keeps an order (for writing a whole tier down at shutdown)."""
+        return [k for k in self._entries if k not in self._storing]
+
+    def _pinned(self, key: BlockKey) -> bool:
+        return key in self._storing or key in self._pins
+
+    def check_invariants(self) -> None:
+        """Internal consistency, for tests: every slot is held by one key or free, once."""
+        held = [entry.slot for entry in self._entries.values()]
+        assert len(set(held)) == len(held), "a slot is held by two keys"
+        assert len(set(self._free)) == len(self._free), "a slot is free twice"
+        assert set(held).isdisjoint(self._free), "a held slot is also free"
+        assert len(held) + len(self._free) == self.num_slots, "slots were lost or made up"
+        assert self._storing <= self._entries.keys(), "a storing key has no slot"
+        assert self._pins.keys() <= self._entries.keys(), "a pinned key has no slot"
+        assert not self._storing & self._pins.keys(), "a key is loading before it is stored"
+        assert all(n > 0 for n in self._pins.values()), "a zero pin count was kept"
+        assert len(self.policy) == len(self._entries), "policy and slots disagree"
+        assert all(key in self.policy for key in self._entries), "a held key is not in policy"

@@ -1,0 +1,41 @@
+"""The stores below host memory, by where their `StoreKind` lives: a new store is a folder
+under `stores/` and one line here. Loaded by module path on first use (as SGLang's
+`backend_factory` loads a storage backend), so the knobs' checks reach every store while the
+bookkeeping imports none of them."""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.tier.config import TierConfig
+    from kvtier.tier.io.kind import StoreKind
+
+# In the order a wake walks them, nearest to host first.
+STORES = (
+    "kvtier.tier.stores.disk.kind:DISK",
+    "kvtier.tier.stores.redis.kind:REDIS",
+)
+
+
+@cache
+def kinds() -> tuple[StoreKind, ...]:
+    """Every registered store's kind, in walking order."""
+    out = []
+    for entry in STORES:
+        module, _, name = entry.partition(":")
+        out.append(getattr(importlib.import_module(module), name))
+    return tuple(out)
+
+
+def configured(config: TierConfig) -> list[StoreKind]:
+    """The stores `config` asks for, nearest to host first."""
+    return [kind for kind in kinds() if kind.configured(config)]
+
+
+def check(config: TierConfig) -> None:
+    """Every store's knob checks (ConfigError naming the knob)."""
+    for kind in kinds():
+        kind.check(config)
