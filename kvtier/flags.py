@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from kvtier.config import knob_fields
@@ -22,9 +23,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction)
             continue
-        parse = float if kind.startswith("float") else int if kind.startswith("int") else str
+        parse = (json_object if kind.startswith("dict") else float if kind.startswith("float")
+                 else int if kind.startswith("int") else str)
         group.add_argument(flag, dest=f.name, type=parse, default=None,
                            help=f"default: {f.default}")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag whose knob is an object (`--kv-stores '{"fs": {"path": "/mnt/kv"}}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected, as {\"name\": {...}}")
+    return value
 
 
 def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:

@@ -161,8 +161,11 @@ def _family(kind: type, name: str, doc: str, label: str, values: Mapping[str, fl
 
 
 def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
-    """The disk and remote tiers (all 0 where they are off): traffic, and every block that
-    failed verification or I/O, by tier and reason (each one a miss, never served)."""
+    """Every store below host (disk and remote always, 0 where they are off; a plug-in store
+    where it runs): traffic, and every block that failed verification or I/O, by tier and
+    reason (each one a miss, never served)."""
+    tiers = sorted(set(DEEP_TIERS).union(*(deep.get(key) or {} for key in (
+        "written_blocks", "write_failures", "fetched_blocks"))))
     for name, doc, key in (
         ("tier_blocks_written", "Blocks written down from host to a deeper tier.",
          "written_blocks"),
@@ -173,7 +176,7 @@ def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
     ):
         counts = deep.get(key) or {}
         yield _family(CounterMetricFamily, name, doc, "tier",
-                      {t: _num(counts, t) for t in DEEP_TIERS})
+                      {t: _num(counts, t) for t in tiers})
     for name, doc, key in (
         ("tier_misses", "Blocks below host refused (bad checksum, tokens or fingerprint, I/O "
          "error, unreachable store, a fetch's deadline passed) and recomputed, by tier and "

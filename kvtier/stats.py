@@ -114,7 +114,8 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
 
 
 def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The disk and remote tiers' traffic, misses by reason, occupancy and read rates."""
+    """The stores below host: traffic, misses by reason and read rates by medium, and one
+    row per store (occupancy, hits, and what its bytes side says of itself)."""
     b = ms.below
     if b is None:
         return None
@@ -127,13 +128,12 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
         "misses": dict(b.misses), "refused": b.refused,
         "tier_gbps": dict(ms.calibration["tier_gbps"]),
     }
-    if "disk" in b.stores:
-        d = b.stores["disk"]
-        out["disk"] = {"used_slots": d.used, "capacity_slots": d.capacity, "hits": d.hits,
-                       "evictions": d.evictions, **stores.get("disk", {})}
-    if "remote" in b.stores:
-        r = b.stores["remote"]
-        out["remote"] = {"hits": r.hits, "stores": r.stores,
-                         "lookups_answered_absent": b.lookups_answered_absent,
-                         **stores.get("remote", {})}
+    for medium, index in b.stores.items():
+        row: dict[str, Any] = {"hits": index.hits, "stores": index.stores}
+        if index.capacity:  # a store of slots (disk); a shared one evicts by itself
+            row.update(used_slots=index.used, capacity_slots=index.capacity,
+                       evictions=index.evictions)
+        if medium == "remote":
+            row["lookups_answered_absent"] = b.lookups_answered_absent
+        out[medium] = {**row, **stores.get(medium, {})}
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tier import registry
@@ -132,6 +133,10 @@ class TierConfig:
     # bytes than float32, 2x than 16-bit, on the host link, in host memory and below); None:
     # exact bytes.
     kv_offload_dtype: str | None = None
+    # Stores added as plug-ins (`registry.py`), by name, each with its own knobs, checked by
+    # the store: {"fs": {"path": "/mnt/shared/kv"}}. Walked after disk and Redis, in the
+    # registry's order.
+    kv_stores: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:

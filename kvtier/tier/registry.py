@@ -6,8 +6,11 @@ bookkeeping imports none of them."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from functools import cache
 from typing import TYPE_CHECKING
+
+from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.tier.config import TierConfig
@@ -36,6 +39,18 @@ def configured(config: TierConfig) -> list[StoreKind]:
 
 
 def check(config: TierConfig) -> None:
-    """Every store's knob checks (ConfigError naming the knob)."""
+    """Every store's knob checks (ConfigError naming the knob), after `kv_stores`' shape:
+    a store's name, each with an object of its knobs."""
+    names = [kind.name for kind in kinds()]
+    if not isinstance(config.kv_stores, Mapping):
+        raise ConfigError(f"kv_stores={config.kv_stores!r} must be an object of stores by "
+                          f"name, each with its knobs, e.g. {{\"fs\": {{\"path\": \"/mnt/kv\"}}}}")
+    for name, knobs in config.kv_stores.items():
+        if name not in names:
+            raise ConfigError(f"kv_stores names {name!r}, which is no store; the stores are: "
+                              f"{', '.join(names)}")
+        if not isinstance(knobs, Mapping):
+            raise ConfigError(f"kv_stores[{name!r}]={knobs!r} must be an object of that "
+                              "store's knobs")
     for kind in kinds():
         kind.check(config)

@@ -20,13 +20,13 @@ from kvtier.tier.books import below as below_module
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, TierManager, job_ids
+from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.config import TierConfig
 from kvtier.tier.deadline import DEADLINE_FLOOR_S, fetch_budget_s
 from kvtier.tier.jobs import Job, Reason, Result
 from kvtier.tier.keys import Medium, hash_blocks
 from kvtier.tier.planner import MIN_TIER_GBPS, Calibration, Planner
 from kvtier.tier.stores.disk.index import DiskTier
-from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
 
 BS = 4  # tokens per block
 NBYTES = 1000  # bytes of one block, on the host link and below

@@ -9,12 +9,12 @@ import time
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, NO_MATCH, RequestOutcome, TierManager, job_ids
+from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import Medium, hash_blocks
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.stores.disk.index import DiskTier
-from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
 
 BS = 4  # tokens per block
 NBYTES = 1000  # bytes of one block across the host link
@@ -250,7 +250,7 @@ def test_jobs_share_one_id_space() -> None:
 
 def test_the_bookkeeping_imports_no_torch() -> None:
     code = ("import sys, kvtier.tier.books.manager, kvtier.tier.books.below, "
-            "kvtier.tier.stores.redis.index, kvtier.tier.stores.disk.index, "
+            "kvtier.tier.books.presence, kvtier.tier.stores.disk.index, "
             "kvtier.tier.layout, kvtier.tier.jobs; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -21,6 +21,7 @@ from kvtier.tier import KVLayout, Medium
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, Match, TierManager, job_ids
+from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.thread import TierIO
 from kvtier.tier.jobs import Job, Reason, Result
@@ -29,7 +30,6 @@ from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.stores.redis.blocks import RemoteBlocks
 from kvtier.tier.stores.redis.cluster_store import ClusterStore
-from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
 from kvtier.tier.stores.redis.store import RedisStore
 from kvtier.tier.stores.redis.unavailable import RemoteTimeout
 

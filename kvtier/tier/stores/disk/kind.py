@@ -28,6 +28,9 @@ class DiskKind:
         return config.disk_kv_size > 0
 
     def check(self, config: TierConfig) -> None:
+        if self.name in config.kv_stores:
+            raise ConfigError("kv_stores['disk']: the disk store's knobs are disk_kv_path, "
+                              "disk_kv_size, disk_kv_max_gbps and disk_kv_read_gbps")
         if config.disk_kv_size < 0:
             raise ConfigError(f"disk_kv_size={config.disk_kv_size} GiB must be >= 0 (0 = off)")
         if config.disk_kv_size > 0 and not config.disk_kv_path:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
+from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.kind import Opened, StoreSite
 from kvtier.tier.keys import Medium
-from kvtier.tier.stores.redis.index import RemotePresence, RemoteTier
 from kvtier.tier.stores.redis.probe import remote_rate
 from kvtier.tier.stores.redis.url import SCHEMES, is_cluster_url, validate_url
 
@@ -32,6 +32,9 @@ class RedisKind:
         return bool(config.remote_kv_url)
 
     def check(self, config: TierConfig) -> None:
+        if self.name in config.kv_stores:
+            raise ConfigError("kv_stores['redis']: the Redis store's knobs are remote_kv_url "
+                              "and the other remote_kv_* knobs")
         if config.remote_kv_read_gbps is not None and not config.remote_kv_read_gbps > 0:
             raise ConfigError(f"remote_kv_read_gbps={config.remote_kv_read_gbps} must be > 0 "
                               "(or unset)")

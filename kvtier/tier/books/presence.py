@@ -1,4 +1,5 @@
-"""Remote tier bookkeeping: a store shared by several processes, so presence is asked of it.
+"""The books of a store shared by several processes (Redis, a shared filesystem), so
+presence is asked of it.
 
 Nothing here is authoritative: another process may write or expire a key at any time, so
 `lookup` asks the store and a hit is only a hint until the fetched header, tokens and
@@ -106,14 +107,14 @@ class RemotePresence:
 
 
 class RemoteTier:
-    """Counters and in-flight writes of the shared store; presence comes from `presence`."""
+    """Counters and in-flight writes of a shared store on `medium`; presence comes from
+    `presence`."""
 
-    medium = Medium.REMOTE
     local = False  # presence is the store's to say
     unusable_at_start: Mapping[str, int] = MappingProxyType({})  # nothing scanned at start
 
-    def __init__(self, presence: RemotePresence) -> None:
-        self.presence = presence
+    def __init__(self, presence: RemotePresence, medium: Medium = Medium.REMOTE) -> None:
+        self.presence, self.medium = presence, medium
         self._writing: set[BlockKey] = set()
         self._counts = IndexStats()
         self._cut_short = 0  # lookups whose run stopped at a key the store could not answer
