@@ -203,10 +203,11 @@ class TierConfig:
         if secret is not None and path is not None:
             raise ConfigError("remote_kv_secret and remote_kv_secret_file are both set; keep "
                               "remote_kv_secret_file (vLLM logs its kv-transfer config)")
-        if (secret is not None or path is not None) and not self.remote_kv_url:
+        shared = any(kind.shared for kind in registry.configured(self))
+        if (secret is not None or path is not None) and not shared:
             name = "remote_kv_secret" if secret is not None else "remote_kv_secret_file"
-            raise ConfigError(f"{name} is set but remote_kv_url is not; it authenticates the "
-                              "remote tier's blocks")
+            raise ConfigError(f"{name} is set but remote_kv_url is not (nor another store that "
+                              "instances share); it authenticates the shared store's blocks")
         if secret is not None and len(secret.encode()) < MIN_SECRET_NBYTES:
             raise ConfigError(f"remote_kv_secret is shorter than {MIN_SECRET_NBYTES} bytes; "
                               "use a long random one, e.g. `head -c 32 /dev/urandom | base64`")
