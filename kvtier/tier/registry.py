@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 STORES = (
     "kvtier.tier.stores.disk.kind:DISK",
     "kvtier.tier.stores.redis.kind:REDIS",
+    "kvtier.tier.stores.fs.kind:FS",
 )
 
 

@@ -1,0 +1,168 @@
+"""The shared filesystem's bytes: a block is one file, `<dir>/<namespace>/<key[:2]>/<key>`,
+written whole to a temporary name and renamed, so a reader sees a whole block or none.
+
+A file's bytes are the same as a Redis value's (header, then payload; the header signed
+under the deployment's secret): the payload is read straight into its host row, and a file
+of any other size is read whole and fails verification like any damaged block. Nothing here
+evicts: the directory's owner bounds it (a quota, a cron job, the filesystem's own policy);
+a write that finds it full fails alone and is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.tier.io.block_format import (
+    MAX_TOKENS,
+    BlockHeader,
+    Buffer,
+    CorruptBlock,
+    decode_whole_header,
+    max_header_nbytes,
+    pack,
+    unpack,
+)
+from kvtier.tier.io.block_mac import BlockMac
+from kvtier.tier.io.store import StoreMiss
+from kvtier.tier.jobs import Reason
+from kvtier.tier.keys import BlockKey, Medium
+
+HEADER_LIMIT = max_header_nbytes(MAX_TOKENS)  # a file at most this much longer lands in its row
+DIR_MODE = 0o700  # the serving user's, as the disk tier's; widen with the directory's setgid
+
+
+class BlockFiles:
+    """Where each block's file is: one directory per namespace, 256 subdirectories."""
+
+    def __init__(self, root: Path, namespace: bytes) -> None:
+        self.dir = root / namespace.hex()
+
+    def path(self, key: BlockKey) -> Path:
+        name = key.hex()
+        return self.dir / name[:2] / name
+
+    def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [self.path(k).is_file() for k in keys]
+
+
+class FsBlocks:
+    """A shared directory's block files; every block signed with `mac` under a secret."""
+
+    parallel_reads = True  # each read is its own file
+
+    def __init__(self, files: BlockFiles, medium: Medium, mac: BlockMac | None,
+                 fsync: bool = False) -> None:
+        self.files, self.medium, self.mac, self.fsync = files, medium, mac, fsync
+        self._lock = threading.Lock()
+        self.errors = 0  # writes and reads that failed with an OSError other than "absent"
+        self.last_error = ""
+
+    def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
+              payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]:
+        errors: list[OSError | StoreMiss | None] = []
+        for header, payload in zip(headers, payloads):
+            try:
+                self._write(self.files.path(header.key), pack(header, payload, self.mac))
+            except OSError as e:
+                self.note_error(e)
+                errors.append(e)
+                continue
+            errors.append(None)
+        return errors
+
+    def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
+              deadline: float | None = None) -> _FileReads:
+        return _FileReads(self, deadline)
+
+    def read(self, key: BlockKey, out: memoryview) -> tuple[BlockHeader, Buffer]:
+        """The block's header and payload (in `out` where the file is header + one row)."""
+        try:
+            f = open(self.files.path(key), "rb", buffering=0)  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            raise StoreMiss(Reason.MISSING, "absent") from None
+        with f:
+            extra = os.fstat(f.fileno()).st_size - len(out)
+            if 0 < extra <= HEADER_LIMIT:
+                header = _read_exactly(f, memoryview(bytearray(extra)))
+                _read_exactly(f, out)
+                return decode_whole_header(header), out
+            return unpack(f.read())
+
+    def discard(self, key: BlockKey, slot: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.files.path(key).unlink()
+
+    def flush(self) -> None:
+        """Nothing to sync: each write was renamed into place whole (and synced if asked)."""
+
+    def close(self) -> None:
+        """No handle stays open between reads."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": str(self.files.dir), "errors": self.errors,
+                "last_error": self.last_error}
+
+    def _write(self, path: Path, blob: bytes) -> None:
+        """`blob` under a temporary name in `path`'s directory, then renamed over `path`."""
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view):]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def note_error(self, e: OSError) -> None:
+        """Count a failed read or write (its reason is the job's to report)."""
+        with self._lock:
+            self.errors += 1
+            self.last_error = e.strerror or type(e).__name__
+
+
+class _FileReads:
+    """One fetch's reads, each started only before the fetch's `deadline`."""
+
+    def __init__(self, blocks: FsBlocks, deadline: float | None) -> None:
+        self.blocks, self.deadline = blocks, deadline
+
+    def ready(self, key: BlockKey) -> bool:
+        return True  # every read is one local (or mounted) file
+
+    def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise StoreMiss(Reason.DEADLINE, "the fetch's deadline passed before its read")
+        try:
+            return self.blocks.read(key, out)
+        except OSError as e:
+            self.blocks.note_error(e)
+            raise
+
+
+def _read_exactly(f: Any, out: memoryview) -> memoryview:
+    """Fill `out` from `f` (CorruptBlock if the file ends first: it was cut short)."""
+    got = 0
+    while got < len(out):
+        n = f.readinto(out[got:])
+        if not n:
+            raise CorruptBlock(Reason.TRUNCATED, f"the block file ended after {got} of "
+                                                 f"{len(out)} bytes")
+        got += n
+    return out
