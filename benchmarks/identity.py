@@ -31,7 +31,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_peak_gbps, write_result
 
-from kvtier.integrations.vllm.identity import weights_identity
+from kvtier.integrations.kit.identity import weights_identity
 from kvtier.model import digest
 from kvtier.model.loaded import weights_digest
 from kvtier.model.loader import default_model_path, load_model

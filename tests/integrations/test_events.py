@@ -8,8 +8,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.integrations.vllm.events import BlockOrigin, KVEvents
-from kvtier.integrations.vllm.groups import Window
+from kvtier.integrations.kit.events import BlockOrigin, KVEvents
+from kvtier.integrations.kit.groups import Window
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.tier import ChangeKind, Fingerprint, Medium, ResidencyChange, Result, TierConfig
 from kvtier.tier.books.below import BelowHost

@@ -1,7 +1,7 @@
 """The vLLM connector's scheduler half, driven with plain values (no vLLM, no torch):
 vLLM's block size 4 here, a host of 8 slots, requests as token lists."""
 
-from kvtier.integrations.vllm.groups import Window
+from kvtier.integrations.kit.groups import Window
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.tier import Fingerprint, Medium, Result, TierConfig
 from kvtier.tier.books.below import BelowHost
@@ -224,7 +224,7 @@ def test_after_a_reset_nothing_cached_before_is_restored_and_live_requests_store
     # a is stored on host; b is alive (matched, admitted) when vLLM resets its cache; after
     # the reset a's blocks are gone from host, b neither loads nor stores, and c (a's prompt
     # again) is computed, stored under the new identity, and restored for d
-    from kvtier.integrations.vllm.epochs import ChainIdentity
+    from kvtier.integrations.kit.epochs import ChainIdentity
 
     chain = ChainIdentity(FP)
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.counters import tier_counters
+from kvtier.integrations.kit.counters import tier_counters
 from kvtier.integrations.vllm.settings import settings
 from kvtier.metrics import Metrics
 from kvtier.stats import below_host_stats

@@ -33,13 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvtier.integrations.kit.epochs import ChainIdentity
+from kvtier.integrations.kit.events import UNPUBLISHED, KVEvents
+from kvtier.integrations.kit.hook_clock import HookClock, timed
+from kvtier.integrations.kit.identity import AdapterMemo, adapter_identity
+from kvtier.integrations.kit.ranks import RankResults
 from kvtier.integrations.vllm.deployment_plan import announce, deployment_plan
-from kvtier.integrations.vllm.epochs import ChainIdentity
-from kvtier.integrations.vllm.events import UNPUBLISHED, KVEvents
-from kvtier.integrations.vllm.hook_clock import HookClock, timed
-from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity
 from kvtier.integrations.vllm.origins import kv_events
-from kvtier.integrations.vllm.ranks import RankResults
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.integrations.vllm.settings import check_vllm_version, prior, settings
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats

@@ -13,10 +13,10 @@ import torch
 import vllm
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.epochs import read_identity_file
-from kvtier.integrations.vllm.groups import Window, servable_groups
-from kvtier.integrations.vllm.identity import config_identity, weights_identity
-from kvtier.integrations.vllm.parallel import Split
+from kvtier.integrations.kit.epochs import read_identity_file
+from kvtier.integrations.kit.groups import Window, servable_groups
+from kvtier.integrations.kit.identity import config_identity, weights_identity
+from kvtier.integrations.kit.parallel import Split
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.vllm.worker_side import ExpectedLayout
 from kvtier.tier import (

@@ -24,7 +24,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-from kvtier.integrations.vllm.events import BlockOrigin, KVEvents
+from kvtier.integrations.kit.events import BlockOrigin, KVEvents
 from kvtier.tier import Medium
 
 if TYPE_CHECKING:

@@ -39,11 +39,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.integrations.vllm.counters import tier_counters
-from kvtier.integrations.vllm.events import UNPUBLISHED, BlockRecorder
-from kvtier.integrations.vllm.groups import Window
-from kvtier.integrations.vllm.request_state import RequestState, Scheduled, group_key
-from kvtier.integrations.vllm.wake_timeline import WakeTimeline
+from kvtier.integrations.kit.counters import tier_counters
+from kvtier.integrations.kit.events import UNPUBLISHED, BlockRecorder
+from kvtier.integrations.kit.groups import Window
+from kvtier.integrations.kit.request_state import RequestState, Scheduled, group_key
+from kvtier.integrations.kit.wake_timeline import WakeTimeline
 from kvtier.tier import (
     NO_MATCH,
     BlockKey,

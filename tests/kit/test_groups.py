@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.groups import servable_groups
+from kvtier.integrations.kit.groups import servable_groups
 
 
 @dataclass

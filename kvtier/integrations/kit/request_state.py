@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.integrations.vllm.wake_timeline import WakeTimeline
+from kvtier.integrations.kit.wake_timeline import WakeTimeline
 from kvtier.tier import NO_MATCH, BlockKey, Match
 
 

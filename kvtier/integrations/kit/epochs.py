@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.identity import is_shared, unshared_identity
+from kvtier.integrations.kit.identity import is_shared, unshared_identity
 from kvtier.tier import BlockKey, Fingerprint
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-import kvtier.integrations.vllm.identity as identity
+import kvtier.integrations.kit.identity as identity
 import kvtier.model.digest as digest
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.identity import AdapterMemo, adapter_identity, weights_identity
+from kvtier.integrations.kit.identity import AdapterMemo, adapter_identity, weights_identity
 
 V_PROJ = "model.layers.0.self_attn.v_proj.weight"
 
@@ -51,7 +51,7 @@ def header(file: Path) -> bytes:
 
 
 def test_the_module_imports_without_vllm() -> None:
-    code = ("import sys, kvtier.integrations.vllm.identity; "
+    code = ("import sys, kvtier.integrations.kit.identity; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

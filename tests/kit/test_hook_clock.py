@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from kvtier.integrations.vllm.hook_clock import HookClock, timed
+from kvtier.integrations.kit.hook_clock import HookClock, timed
 
 
 class Hooks:

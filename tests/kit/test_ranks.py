@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.parallel import Split
-from kvtier.integrations.vllm.ranks import RankResults
+from kvtier.integrations.kit.parallel import Split
+from kvtier.integrations.kit.ranks import RankResults
 from kvtier.tier import Fingerprint, Result, TierConfig
 
 

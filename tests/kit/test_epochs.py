@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.epochs import ChainIdentity, read_identity_file
-from kvtier.integrations.vllm.identity import is_shared
+from kvtier.integrations.kit.epochs import ChainIdentity, read_identity_file
+from kvtier.integrations.kit.identity import is_shared
 from kvtier.tier import Fingerprint
 
 FP = Fingerprint("weights-at-start", "arch", "bf16", 4, "")
