@@ -16,9 +16,10 @@ run: $(STAMP)
 test: $(STAMP)
 	bash scripts/redis.sh ensure
 	bash scripts/vllm_env.sh .venv-vllm
+	bash scripts/sglang_env.sh .sglang-libs
 	$(BIN)/ruff check kvtier tests benchmarks scripts
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=25
 
 clean:
-	rm -rf $(VENV) .venv-vllm
+	rm -rf $(VENV) .venv-vllm .sglang-libs

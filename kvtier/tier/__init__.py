@@ -10,6 +10,8 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   Tier.worker    TierWorker, bytes side: submit / poll / wait / wait_any / wait_layer / close
   TierStats      TierManager.report(): the scheduler side's counters, one frozen snapshot
   WorkerReport   TierWorker.report(): the link's traffic, host memory, the stores' state
+  PageStore      the stores below host for an engine that owns its host memory (SGLang):
+                 pages put from, and got into, rows the engine gives; verified
   KVLayout       the engine's KV memory: from_contiguous(kv) or from_layers({name: tensor})
   Fingerprint    the namespace every block key is chained from (change a field: no old hit)
   Faults         the one fault seam, given to build() (tests)
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
         build_worker_side,
         host_slot_nbytes,
     )
+    from kvtier.tier.pages import PageStore
     from kvtier.tier.worker import TierWorker, WorkerReport
 
 __all__ = [
@@ -75,6 +78,7 @@ __all__ = [
     "LoadDone",
     "Match",
     "Medium",
+    "PageStore",
     "Planner",
     "Reason",
     "RequestOutcome",
@@ -113,6 +117,10 @@ def __getattr__(name: str) -> Any:
         from kvtier.tier import builder
 
         return getattr(builder, name)
+    if name == "PageStore":
+        from kvtier.tier import pages
+
+        return pages.PageStore
     if name in ("TierWorker", "WorkerReport"):
         from kvtier.tier import worker
 

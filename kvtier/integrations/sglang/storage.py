@@ -1,0 +1,188 @@
+"""`KvtierStorage`: SGLang's `HiCacheStorage` over kvtier's stores (`kvtier.tier.PageStore`).
+
+SGLang owns the host pool; kvtier writes its pages down and reads them back into it. The
+zero-copy v1 calls (`interface_v1: 1`) move a page through one flat page tensor of SGLang's
+(`get_data_page` / `set_from_flat_data_page`, so any host layout works); the older calls
+take and fill page tensors directly. A call never raises into SGLang's storage threads: a
+failure is a False (a miss), logged once per kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.integrations.kit.identity import weights_identity
+from kvtier.tier import GIB, Fingerprint, PageStore, TierConfig
+
+log = logging.getLogger(__name__)
+
+# SGLang's own keys in the extra config; kvtier's model keys; the rest are TierConfig's.
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+MODEL_KEYS = frozenset({"model_path", "model_identity", "revision"})
+
+
+class KvtierStorage(HiCacheStorage):
+    """kvtier's disk, Redis/Valkey and shared-directory stores as SGLang's HiCache L3."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self._knobs = {k: v for k, v in extra.items() if k not in SGLANG_KEYS | MODEL_KEYS}
+        fields = {f.name for f in dataclasses.fields(TierConfig)}
+        unknown = sorted(set(self._knobs) - fields)
+        if unknown:
+            raise ConfigError(f"hicache storage extra config has unknown key(s) "
+                              f"{', '.join(map(repr, unknown))}; kvtier's store knobs are: "
+                              f"{', '.join(sorted(fields))}")
+        model = str(extra.get("model_path") or storage_config.model_name or "")
+        try:
+            self.identity = weights_identity(model, extra.get("revision"),
+                                             extra.get("model_identity"))
+        except ConfigError as e:
+            raise ConfigError(f"hicache storage extra config: {e}; or give model_path (the "
+                              "weights' directory) or model_identity") from None
+        self.writer = storage_config.is_storage_writer  # MLA: one rank writes the shared KV
+        self.store: PageStore | None = None
+        self.page_size = 0
+        self._logged: set[str] = set()
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Opens the stores once SGLang's host pool says what a page is."""
+        super().register_mem_pool_host(mem_pool_host)
+        if self.store is not None:
+            return
+        self.page_size = int(mem_pool_host.page_size)
+        page = mem_pool_host.get_dummy_flat_data_page()
+        page_nbytes = page.numel() * page.element_size()
+        host_gib = max(mem_pool_host.size * mem_pool_host.size_per_token / GIB, 1e-6)
+        config = TierConfig(**{"kv_offloading_size": host_gib, **self._knobs})
+        self.store = PageStore.open(config, self._namespace(mem_pool_host), page_nbytes)
+        log.info("kvtier: SGLang HiCache storage over %s, pages of %d bytes",
+                 ", ".join(self.store.names), page_nbytes)
+
+    # -- SGLang's zero-copy v1 calls --------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        return self._guard("exists", lambda: self._pages().exists(_keys(keys)), 0)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        def run() -> list[bool]:
+            pool = self.mem_pool_host
+            pages = [pool.get_dummy_flat_data_page() for _ in keys]
+            ok = self._pages().get(_keys(keys), [_bytes(p) for p in pages])
+            for i, good in enumerate(ok):
+                if good:
+                    pool.set_from_flat_data_page(int(host_indices[i * self.page_size]),
+                                                 pages[i])
+            return ok
+        return self._guard("get", run, [False] * len(keys))
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        if not self.writer:
+            return [True] * len(keys)  # another rank writes this shared KV
+
+        def run() -> list[bool]:
+            pool = self.mem_pool_host
+            pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True)
+                     .contiguous() for i in range(len(keys))]
+            return self._pages().put(_keys(keys), [_bytes(p) for p in pages])
+        return self._guard("set", run, [False] * len(keys))
+
+    # -- the older calls, page tensors in and out --------------------------------------
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None
+            ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        if target_locations is None:
+            return [None] * len(keys)
+        targets = list(target_locations)
+        ok = self._guard("get", lambda: self._pages().get(
+            _keys(keys), [_bytes(t) for t in targets]), [False] * len(keys))
+        return [t if good else None for t, good in zip(targets, ok)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if not self.writer:
+            return True
+        if values is None:
+            return False
+        pages = [v.contiguous() for v in values]
+        return all(self._guard("set", lambda: self._pages().put(
+            _keys(keys), [_bytes(p) for p in pages]), [False]))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def clear(self) -> None:
+        """Nothing: shared stores hold other instances' pages, kept or expired by their own
+        policy (disk evicts LRU, Redis by its TTL and maxmemory)."""
+
+    def get_stats(self) -> dict[str, Any] | None:
+        return self.store.stats() if self.store is not None else None
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    # -----------------------------------------------------------------------------------
+    def _namespace(self, pool: Any) -> bytes:
+        """The fingerprint every page carries: the weights, the page's geometry and dtype,
+        SGLang's layout and this rank's slice (MLA KV is the same on every TP rank)."""
+        c = self.storage_config
+        mla = bool(c.is_mla_model)
+        shard = "" if mla else f"tp{c.tp_rank}"
+        fingerprint = Fingerprint(
+            weights_digest=self.identity,
+            architecture=f"sglang:{Path(str(c.model_name or '')).name}:mla={mla}",
+            kv_dtype=str(pool.dtype), block_size=self.page_size, tokenizer_digest="",
+            attention_backend=f"sglang-hicache:{pool.layout}",
+            parallel=f"tp={c.tp_size},pp={c.pp_size},cp={c.attn_cp_size}",
+            shard=f"{shard}pp{c.pp_rank}cp{c.attn_cp_rank}")
+        return fingerprint.namespace()
+
+    def _pages(self) -> PageStore:
+        if self.store is None:
+            raise KvtierError("no host pool registered yet")
+        return self.store
+
+    def _guard(self, what: str, run: Any, failed: Any) -> Any:
+        """`run()`, or `failed` (a miss) where it raises: SGLang's threads never see it."""
+        try:
+            return run()
+        except (KvtierError, OSError, ValueError) as e:
+            if what not in self._logged:
+                self._logged.add(what)
+                log.warning("kvtier: a HiCache %s failed (%s); its pages are misses (logged "
+                            "once)", what, e)
+            return failed
+
+
+def _keys(keys: list[str]) -> list[bytes]:
+    """SGLang's page hashes (hex) as kvtier keys; any other string as its UTF-8 bytes."""
+    out = []
+    for key in keys:
+        try:
+            out.append(bytes.fromhex(key))
+        except ValueError:
+            out.append(key.encode())
+    return out
+
+
+def _bytes(page: torch.Tensor) -> memoryview:
+    """A contiguous page tensor's bytes, no copy (any dtype, bf16 included)."""
+    return memoryview(page.view(torch.uint8).numpy()).cast("B")
