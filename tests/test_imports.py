@@ -1,5 +1,6 @@
-"""Import rules import-linter cannot see: vLLM (not installed beside kvtier's own tests) is
-imported only under kvtier/integrations, and plain `import kvtier` never imports it."""
+"""Import rules import-linter cannot see: vLLM and SGLang (not installed beside kvtier's own
+tests) are imported only by their own glue under kvtier/integrations, and plain `import
+kvtier` never imports them."""
 
 import ast
 import subprocess
@@ -19,14 +20,16 @@ def imported_roots(path: Path) -> set[str]:
     return roots
 
 
-def test_vllm_is_imported_only_by_the_integration() -> None:
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                 if "vllm" in imported_roots(p) and "integrations" not in p.parts]
-    assert offenders == []
-    assert "vllm" in imported_roots(PACKAGE / "integrations" / "vllm" / "connector.py")
+def test_each_engine_is_imported_only_by_its_own_glue() -> None:
+    for engine, glue in (("vllm", "connector.py"), ("sglang", "storage.py")):
+        offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if engine in imported_roots(p)
+                     and p.parent != PACKAGE / "integrations" / engine]
+        assert offenders == [], engine
+        assert engine in imported_roots(PACKAGE / "integrations" / engine / glue)
 
 
 def test_import_kvtier_and_the_engine_never_import_vllm() -> None:
     code = ("import sys, kvtier, kvtier.llm, kvtier.tier, kvtier.integrations; "
-            "assert 'vllm' not in sys.modules")
+            "assert 'vllm' not in sys.modules and 'sglang' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
