@@ -122,10 +122,11 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
     out: dict[str, Any] = {
         "written_blocks": dict(b.written_blocks), "written_bytes": dict(b.written_bytes),
         "write_failures": dict(b.write_failures),
-        "write_failure_reasons": dict(b.write_failure_reasons), "encoding": b.encoding or None,
+        "write_failure_reasons": {str(m): n for m, n in b.write_failure_reasons.items()},
+        "encoding": b.encoding or None,
         "fetched_blocks": dict(b.fetched_blocks), "fetched_bytes": dict(b.fetched_bytes),
         "fetch_seconds": dict(b.fetch_seconds),
-        "misses": dict(b.misses), "refused": b.refused,
+        "misses": {str(m): n for m, n in b.misses.items()}, "refused": b.refused,
         "tier_gbps": dict(ms.calibration["tier_gbps"]),
     }
     for medium, index in b.stores.items():

@@ -61,6 +61,18 @@ _BAD_BLOCK = frozenset({Reason.FINGERPRINT, Reason.KEY, Reason.TOKENS, Reason.SI
 
 
 @dataclass(frozen=True)
+class Miss:
+    """A block below host not served, or not written, by store and reason: what the miss
+    counters are keyed by; "medium:reason" only where a user reads it."""
+
+    medium: Medium
+    reason: Reason
+
+    def __str__(self) -> str:  # "disk:checksum"
+        return f"{self.medium.value}:{self.reason.value}"
+
+
+@dataclass(frozen=True)
 class Job:
     """Copy block i between `host_slots[i]` and the other side (a device block or a deeper
     tier's copy of `keys[i]`), in the direction `src -> dst`."""

@@ -37,7 +37,8 @@ from kvtier.tier.io.block_format import (
 )
 from kvtier.tier.io.kind import StoreSite
 from kvtier.tier.io.store import SecondaryStore, StoreMiss
-from kvtier.tier.keys import BlockKey
+from kvtier.tier.jobs import Miss, Reason
+from kvtier.tier.keys import BlockKey, Medium
 
 log = logging.getLogger(__name__)
 PRESENCE_WAIT_S = 2.0  # the longest `exists` waits for a shared store's answer
@@ -50,7 +51,7 @@ class PageCounts:
     written: int = 0
     write_failures: int = 0
     read: int = 0
-    misses: dict[str, int] = field(default_factory=dict)
+    misses: dict[Miss, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class PageStore:
     def stats(self) -> dict[str, Any]:
         return {"stores": self.names, "written": self.counts.written,
                 "write_failures": self.counts.write_failures, "read": self.counts.read,
-                "misses": dict(self.counts.misses)}
+                "misses": {str(m): n for m, n in self.counts.misses.items()}}
 
     def close(self) -> None:
         for s in self._stores:
@@ -180,11 +181,14 @@ class PageStore:
                                payload=payload, mac=s.blocks.mac)
             except CorruptBlock as e:
                 reason = e.reason
-            except (StoreMiss, OSError) as e:
-                self._miss(s.name, getattr(e, "reason", None) or "io")
+            except StoreMiss as e:
+                self._miss(s.blocks.medium, e.reason)
+                break
+            except OSError:
+                self._miss(s.blocks.medium, Reason.IO)
                 break
             if reason is not None:
-                self._miss(s.name, reason)
+                self._miss(s.blocks.medium, reason)
                 s.blocks.discard(key, slot)
                 dropped.append(key)
                 break
@@ -195,9 +199,9 @@ class PageStore:
         self.counts.read += served
         return served
 
-    def _miss(self, store: str, reason: object) -> None:
-        label = f"{store}:{getattr(reason, 'value', reason)}"
-        self.counts.misses[label] = self.counts.misses.get(label, 0) + 1
+    def _miss(self, medium: Medium, reason: Reason) -> None:
+        miss = Miss(medium, reason)
+        self.counts.misses[miss] = self.counts.misses.get(miss, 0) + 1
 
     def _check(self, keys: Sequence[BlockKey], pages: Sequence[memoryview]) -> None:
         if len(keys) != len(pages):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tier.books.protocol import IndexStats
+from kvtier.tier.jobs import Miss
 
 
 @dataclass
@@ -31,8 +32,8 @@ class TransferCounts:
 
 @dataclass(frozen=True)
 class BelowReport:
-    """The tiers below host: traffic per medium value ("disk", "remote"), misses per
-    "medium:reason", and each index's occupancy."""
+    """The tiers below host: traffic per medium value ("disk", "remote"), misses by store
+    and reason (`Miss`), and each index's occupancy."""
 
     written_blocks: Mapping[str, int]
     written_bytes: Mapping[str, int]  # as stored (8-bit where the host encodes)
@@ -40,13 +41,13 @@ class BelowReport:
     fetched_blocks: Mapping[str, int]
     fetched_bytes: Mapping[str, int]
     fetch_seconds: Mapping[str, float]  # the hops' I/O time: fetched_bytes / this = GB/s
-    misses: Mapping[str, int]  # "disk:checksum" -> blocks found but not served
+    misses: Mapping[Miss, int]  # blocks found but not served
     refused: int  # writes or fetches the host or disk tier had no room for
     encoding: str  # "" exact, else the lossy encoding of every block below host
     stores: Mapping[str, IndexStats]  # each tier below host's index, by medium value
     lookups_answered_absent: int  # remote presence questions a failing store answered
-    # "remote:timeout" -> blocks a tier failed to take, by reason (write_failures' split)
-    write_failure_reasons: Mapping[str, int] = field(default_factory=dict)
+    # blocks a tier failed to take, by store and reason (write_failures' split)
+    write_failure_reasons: Mapping[Miss, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

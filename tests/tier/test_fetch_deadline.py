@@ -23,7 +23,7 @@ from kvtier.tier.books.manager import FETCHING, TierManager, job_ids
 from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.config import TierConfig
 from kvtier.tier.deadline import DEADLINE_FLOOR_S, fetch_budget_s
-from kvtier.tier.jobs import Job, Reason, Result
+from kvtier.tier.jobs import Job, Miss, Reason, Result
 from kvtier.tier.keys import Medium, hash_blocks
 from kvtier.tier.planner import MIN_TIER_GBPS, Calibration, Planner
 from kvtier.tier.stores.disk.index import DiskTier
@@ -136,7 +136,7 @@ def test_a_late_fetch_serves_its_landed_prefix_and_keeps_the_rest_below() -> Non
     [done] = m.apply([late])
     assert (done.fetched, done.missed, done.source, done.slow) == (1, 3, Medium.DISK,
                                                                    Medium.DISK)
-    assert m.below.stats.misses == {"disk:deadline": 3}
+    assert m.below.stats.misses == {Miss(Medium.DISK, Reason.DEADLINE): 3}
     assert all(m.holds(k) for k in KEYS[:4])  # slow is not bad: nothing left the disk
     assert m.host_hits(KEYS[:4], CHUNKS[:4]) == 1 and m.host.stats.pinned == 1  # held for r
     match = m.match("r", KEYS[:4], CHUNKS[:4])
@@ -165,7 +165,7 @@ def test_a_fetch_that_waited_out_its_budget_in_the_queue_blames_no_tier() -> Non
     # the I/O thread spent 10 ms on it: the rest of its 0.5 s went queued behind a write
     [done] = m.apply([Result(job.id, (False, False), (DEADLINE, DEADLINE), 0, 0.01)])
     assert done.slow is None and m.planner.slowdowns == {}
-    assert m.below.stats.misses == {"disk:deadline": 2}
+    assert m.below.stats.misses == {Miss(Medium.DISK, Reason.DEADLINE): 2}
 
 
 # -- the planner ---------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_failed_writes_are_counted_by_reason_and_logged_with_the_count(
 
     store_and_time_out(0)
     assert m.below.stats.write_failures == {"remote": 2}
-    assert m.below.stats.write_failure_reasons == {"remote:timeout": 2}
+    assert m.below.stats.write_failure_reasons == {Miss(Medium.REMOTE, Reason.TIMEOUT): 2}
     [line] = [r.getMessage() for r in caplog.records]
     assert "2 block(s) failed to be written to the remote tier so far (timeout: 2)" in line
     assert "remote_write_timeout_s" in line
@@ -234,7 +234,7 @@ def test_failed_writes_are_counted_by_reason_and_logged_with_the_count(
     monkeypatch.setattr(below_module, "WRITE_LOG_S", 0.0)
     store_and_time_out(4)  # a minute later: logged again, with the count so far
     assert "6 block(s)" in caplog.records[-1].getMessage()
-    assert m.report().below.write_failure_reasons == {"remote:timeout": 6}
+    assert m.report().below.write_failure_reasons == {Miss(Medium.REMOTE, Reason.TIMEOUT): 6}
 
 
 def test_the_new_reasons_reach_every_counter() -> None:
@@ -242,7 +242,7 @@ def test_the_new_reasons_reach_every_counter() -> None:
     m.store([0], KEYS[:1], CHUNKS[:1])
     answer(m)
     answer(m, ok=False, reason=Reason.TIMEOUT.value)
-    m.below.stats.misses["disk:deadline"] += 3
+    m.below.stats.misses[Miss(Medium.DISK, Reason.DEADLINE)] += 3
     report = m.report()
     counters = tier_counters(report)
     assert counters["write_failure_blocks|remote|timeout"] == 1

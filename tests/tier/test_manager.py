@@ -11,7 +11,7 @@ from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, NO_MATCH, RequestOutcome, TierManager, job_ids
 from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.config import TierConfig
-from kvtier.tier.jobs import FetchDone, Job, LoadDone, Result, StoreDone
+from kvtier.tier.jobs import FetchDone, Job, LoadDone, Miss, Reason, Result, StoreDone
 from kvtier.tier.keys import Medium, hash_blocks
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.stores.disk.index import DiskTier
@@ -174,7 +174,7 @@ def test_a_corrupt_block_ends_the_fetched_prefix_and_is_dropped() -> None:
     assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING
     [fetched] = run(m, fail_at=1)  # block 1 fails its checksum
     assert fetched.fetched == 1 and fetched.missed == 1
-    assert m.below.stats.misses == {"disk:checksum": 1}
+    assert m.below.stats.misses == {Miss(Medium.DISK, Reason.CHECKSUM): 1}
     assert m.below.tier(Medium.DISK).lookup([KEYS[1]]) == 0  # never a hit again
     again = m.match("r", KEYS[:2], CHUNKS[:2])
     assert again.load_keys == (KEYS[0],) and again.declined_tokens == BS

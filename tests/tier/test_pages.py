@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.tier import PageStore, TierConfig
+from kvtier.tier import Medium, PageStore, TierConfig
+from kvtier.tier.jobs import Miss, Reason
 
 PAGE = 4096
 NS, OTHER = bytes(range(16)), bytes(range(1, 17))
@@ -88,7 +89,7 @@ def test_a_damaged_page_is_a_miss_and_leaves(tmp_path: Path) -> None:
         path.write_bytes(bytes(blob))
         got = pages()
         assert a.get(KEYS, got) == [True, True, False, False, False]
-        assert a.counts.misses == {"fs:checksum": 1}
+        assert a.counts.misses == {Miss(Medium("fs"), Reason.CHECKSUM): 1}
         assert not path.exists()
     finally:
         a.close()

@@ -17,7 +17,7 @@ from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
 from kvtier.tier.io.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
 from kvtier.tier.io.store import StoreMiss
 from kvtier.tier.io.thread import TierIO
-from kvtier.tier.jobs import FetchDone, LoadDone, Reason
+from kvtier.tier.jobs import FetchDone, LoadDone, Miss, Reason
 from kvtier.tier.keys import BlockKey, hash_blocks
 from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
@@ -173,6 +173,6 @@ def test_a_damaged_block_in_that_store_ends_the_prefix_and_leaves_it() -> None:
     events = wake(manager, worker, "r", [5, 6, 7])
     [fetched] = [e for e in events if isinstance(e, FetchDone)]
     assert (fetched.fetched, fetched.missed) == (1, 2)
-    assert manager.report().below.misses == {"remote:checksum": 1}
+    assert manager.report().below.misses == {Miss(Medium.REMOTE, Reason.CHECKSUM): 1}
     assert KEYS[1] not in store.blobs and KEYS[2] in store.blobs  # the bad one left, alone
     worker.close()

@@ -25,8 +25,7 @@ def tier_counters(report: TierStats, world_size: int = 1) -> dict[str, float]:
             out.update({f"{name}|{tier}": n for tier, n in counter.items()})
         for name, counter in (("miss_blocks", b.misses),
                               ("write_failure_blocks", b.write_failure_reasons)):
-            for label, n in counter.items():  # "tier:reason"
-                tier, _, reason = label.partition(":")
-                out[f"{name}|{tier}|{reason}"] = n
+            for miss, n in counter.items():
+                out[f"{name}|{miss.medium.value}|{miss.reason.value}"] = n
     return {key: value * world_size if key.partition("|")[0].endswith("_bytes")
             else value for key, value in out.items()}

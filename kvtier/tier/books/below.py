@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.deadline import FETCH_DEADLINE_S, fetch_budget_s
-from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Reason, Result
+from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Miss, Reason, Result
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.report import BelowReport
 
@@ -41,11 +41,11 @@ class BelowStats:
     written: Counter[str] = field(default_factory=Counter)  # blocks, per tier
     written_bytes: Counter[str] = field(default_factory=Counter)  # as stored (encoded)
     write_failures: Counter[str] = field(default_factory=Counter)
-    write_failure_reasons: Counter[str] = field(default_factory=Counter)  # "tier:reason"
+    write_failure_reasons: Counter[Miss] = field(default_factory=Counter)
     fetched: Counter[str] = field(default_factory=Counter)
     fetched_bytes: Counter[str] = field(default_factory=Counter)
     fetch_seconds: Counter[str] = field(default_factory=Counter)  # the hop's I/O time
-    misses: Counter[str] = field(default_factory=Counter)  # "tier:reason" -> blocks not served
+    misses: Counter[Miss] = field(default_factory=Counter)  # blocks not served
     refused: int = 0  # writes or fetches the host or disk tier had no room for
 
 
@@ -75,12 +75,12 @@ class BelowHost:
         self.held: dict[str, list[BlockKey]] = {}  # request -> fetched keys pinned on host
         self._outbox: list[Job] = []
         self._ids = ids
-        self._logged: set[str] = set()  # "tier:reason" of the misses logged
+        self._logged: set[Miss] = set()  # the misses logged
         self._write_logged_at: dict[Medium, float] = {}  # a tier's last write-failure line
         self.stats = BelowStats()
         for tier in self.tiers:  # found at start and refused: misses, by reason
             for reason, n in tier.unusable_at_start.items():
-                self.stats.misses[f"{tier.medium.value}:{reason}"] += n
+                self.stats.misses[Miss(tier.medium, Reason(reason))] += n
 
     def __bool__(self) -> bool:
         """Whether any tier is configured below host memory."""
@@ -245,7 +245,7 @@ class BelowHost:
         failed = [bool(r) and r != SKIPPED for r in outcome.reasons]  # not SKIPPED, not OK
         for medium, reason, bad in zip(t.media, outcome.reasons, failed):
             if bad:
-                self._failed(medium, str(reason), t.src is Medium.HOST)
+                self._failed(medium, Reason(reason), t.src is Medium.HOST)
         if t.src is Medium.HOST:  # a write; a failed one is a write failure, never a miss
             self.host.release(t.keys)
             good = [k for k, ok in zip(t.keys, outcome.ok) if ok]
@@ -297,16 +297,16 @@ class BelowHost:
                          predicted_s=pending.predicted_s if whole else None, slow=slow,
                          seconds=outcome.seconds, finished_at=outcome.finished_at)
 
-    def _failed(self, tier: Medium, reason: str, writing: bool) -> None:
+    def _failed(self, tier: Medium, reason: Reason, writing: bool) -> None:
         """A block not written (counted by reason here; `_log_write_failures` tells) or not
         served (a miss, here), a miss logged once per tier and reason."""
-        label = f"{tier.value}:{reason}"
+        miss = Miss(tier, reason)
         if writing:
-            self.stats.write_failure_reasons[label] += 1
+            self.stats.write_failure_reasons[miss] += 1
             return
-        self.stats.misses[label] += 1
-        if label not in self._logged:
-            self._logged.add(label)
+        self.stats.misses[miss] += 1
+        if miss not in self._logged:
+            self._logged.add(miss)
             log.warning("kvtier: a block fetched from the %s tier failed (%s); it is a "
                         "miss, never served, and its tokens are recomputed (logged once "
                         "per tier and reason)", tier, reason)
@@ -319,9 +319,8 @@ class BelowHost:
         if last is not None and now - last < WRITE_LOG_S:
             return
         self._write_logged_at[tier] = now
-        prefix = f"{tier.value}:"
-        counts = {label[len(prefix):]: n for label, n in self.stats.write_failure_reasons.items()
-                  if label.startswith(prefix)}
+        counts = {m.reason.value: n for m, n in self.stats.write_failure_reasons.items()
+                  if m.medium is tier}
         hint = ("; a store that times out may be starved of CPU: raise remote_write_timeout_s"
                 if Reason.TIMEOUT.value in counts else "")
         log.warning("kvtier: %d block(s) failed to be written to the %s tier so far (%s); they "

@@ -24,7 +24,7 @@ from kvtier.tier.books.manager import FETCHING, Match, TierManager, job_ids
 from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.thread import TierIO
-from kvtier.tier.jobs import Job, Reason, Result
+from kvtier.tier.jobs import Job, Miss, Reason, Result
 from kvtier.tier.keys import hash_blocks
 from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.planner import Calibration, Planner
@@ -154,7 +154,7 @@ def test_a_trickling_redis_is_cut_at_the_wakes_deadline(
         assert slow._direct is not None and slow._direct._sock is None  # cut: retired
         [done] = m.apply([result])
         assert (done.fetched, done.missed, done.slow) == (landed, N - landed, Medium.REMOTE)
-        assert m.below.stats.misses == {"remote:deadline": N - landed}
+        assert m.below.stats.misses == {Miss(Medium.REMOTE, Reason.DEADLINE): N - landed}
         # The next wake from Redis recomputes: one late fetch moved the planner, and the
         # slow store is not even asked whether it holds the prefix.
         asked = len(fast.asked)
