@@ -29,7 +29,6 @@ loads torch.
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tier.books.load_policy import Decline
 from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
 from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, check_fits, host_slot_count
@@ -39,6 +38,7 @@ from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, St
 from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
+from kvtier.tier.load_policy import Decline
 from kvtier.tier.match import declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts

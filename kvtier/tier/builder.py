@@ -17,7 +17,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
-from kvtier.tier import registry
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import TierManager, job_ids
@@ -27,7 +26,7 @@ from kvtier.tier.config import MIN_SECRET_NBYTES, TierConfig, host_slot_count
 from kvtier.tier.driver import Tier
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.io.block_mac import BlockMac
-from kvtier.tier.io.kind import StoreSite
+from kvtier.tier.io.kind import StoreSite, configured_kinds
 from kvtier.tier.io.store import SecondaryStore
 from kvtier.tier.io.thread import TierIO
 from kvtier.tier.layout import KVLayout
@@ -63,7 +62,7 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
                          undo)
         stores: list[SecondaryStore] = []
         indexes: list[SecondaryIndex] = []
-        for kind in registry.configured(config):
+        for kind in configured_kinds(config):
             opened = kind.open_both(site)
             stores.append(opened.store)
             indexes.append(opened.index)
@@ -108,7 +107,7 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
         site = StoreSite(config, namespace, block_size, slot_bytes, encoding,
                          remote_mac(config, warn=False), undo, changes)
         indexes: list[SecondaryIndex] = []
-        for kind in registry.configured(config):
+        for kind in configured_kinds(config):
             index, read_gbps = kind.open_books(site)
             indexes.append(index)
             calibration.tier_gbps[kind.medium.value] = read_gbps
@@ -142,7 +141,7 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
         host, link = _host_and_link(config, layout, faults, undo)
         site = StoreSite(config, namespace, block_size, host.slot_bytes, host.encoding, mac,
                          undo)
-        stores = [kind.open_bytes(site) for kind in registry.configured(config)]
+        stores = [kind.open_bytes(site) for kind in configured_kinds(config)]
         io = TierIO(host, namespace, stores, faults.below, faults.slow)
         undo.pop_all()
     return TierWorker(host, link, io)
@@ -164,7 +163,7 @@ def remote_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:
     """The MAC of the stores other instances share, from the configured secret (the file read
     now), or None; with such a store and no secret, `warn` logs once that the store is
     trusted blindly."""
-    if not any(kind.shared for kind in registry.configured(config)):
+    if not any(kind.shared for kind in configured_kinds(config)):
         return None
     secret = _read_secret(config)
     if secret is None:

@@ -12,9 +12,9 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tier import registry
-from kvtier.tier.books.load_policy import LoadPolicy
 from kvtier.tier.deadline import FETCH_DEADLINE_S
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
+from kvtier.tier.load_policy import LoadPolicy
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
 MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused

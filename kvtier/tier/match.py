@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from kvtier.tier.books.load_policy import Decline
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.load_policy import Decline
 from kvtier.tier.planner import Decision
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier import registry
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.builder import remote_mac
 from kvtier.tier.config import TierConfig
@@ -35,7 +34,7 @@ from kvtier.tier.io.block_format import (
     check,
     payload_checksum,
 )
-from kvtier.tier.io.kind import StoreSite
+from kvtier.tier.io.kind import StoreSite, configured_kinds
 from kvtier.tier.io.store import SecondaryStore, StoreMiss
 from kvtier.tier.jobs import Miss, Reason
 from kvtier.tier.keys import BlockKey, Medium
@@ -74,7 +73,7 @@ class PageStore:
     def open(cls, config: TierConfig, namespace: bytes, page_nbytes: int) -> PageStore:
         """Every store `config` names (ConfigError naming the knob); at least one."""
         config.validate()
-        kinds = registry.configured(config)
+        kinds = configured_kinds(config)
         if not kinds:
             raise ConfigError(
                 "no store below host is configured: set disk_kv_path and disk_kv_size, "

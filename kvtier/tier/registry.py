@@ -8,13 +8,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvtier.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvtier.tier.config import TierConfig
-    from kvtier.tier.io.kind import StoreKind
 
 # In the order a wake walks them, nearest to host first.
 STORES = (
@@ -24,8 +20,21 @@ STORES = (
 )
 
 
+class Registered(Protocol):
+    """What the registry asks of a store (the builder asks more: `io/kind.py`'s
+    `StoreKind`). Configs are `TierConfig`s; the registry imports none of the tier, so the
+    config can ask it."""
+
+    name: str
+    shared: bool
+
+    def configured(self, config: Any) -> bool: ...
+
+    def check(self, config: Any) -> None: ...
+
+
 @cache
-def kinds() -> tuple[StoreKind, ...]:
+def kinds() -> tuple[Registered, ...]:
     """Every registered store's kind, in walking order."""
     out = []
     for entry in STORES:
@@ -34,12 +43,12 @@ def kinds() -> tuple[StoreKind, ...]:
     return tuple(out)
 
 
-def configured(config: TierConfig) -> list[StoreKind]:
+def configured(config: Any) -> list[Registered]:
     """The stores `config` asks for, nearest to host first."""
     return [kind for kind in kinds() if kind.configured(config)]
 
 
-def check(config: TierConfig) -> None:
+def check(config: Any) -> None:
     """Every store's knob checks (ConfigError naming the knob), after `kv_stores`' shape:
     a store's name, each with an object of its knobs."""
     names = [kind.name for kind in kinds()]

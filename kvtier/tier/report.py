@@ -13,8 +13,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tier.books.protocol import IndexStats
 from kvtier.tier.jobs import Miss
+
+
+@dataclass
+class IndexStats:
+    """Counters (monotonic, in keys) and gauges a benchmark or /metrics reads."""
+
+    lookups: int = 0  # keys examined by lookup (up to and including the first miss)
+    hits: int = 0  # keys found complete and confirmed
+    stores: int = 0  # keys whose store completed successfully
+    store_failures: int = 0  # keys whose store failed and were forgotten
+    loads: int = 0  # keys whose load completed successfully
+    load_failures: int = 0  # keys whose load was reported failed
+    evictions: int = 0  # keys evicted to make room for a store
+    collisions: int = 0  # key matched but stored token ids did not (never served)
+    used: int = 0  # gauge: slots holding a key (complete or storing)
+    capacity: int = 0  # gauge: slots in the tier
+    pinned: int = 0  # gauge: slots pinned by an in-flight store or load
 
 
 @dataclass

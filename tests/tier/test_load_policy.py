@@ -6,9 +6,9 @@ from test_manager import BS, CHUNKS, KEYS, manager, run
 
 from kvtier.errors import ConfigError
 from kvtier.tier import TierConfig
-from kvtier.tier.books.load_policy import Ahead, Decline, LoadPolicy, LoadRule
 from kvtier.tier.books.manager import FETCHING
 from kvtier.tier.keys import Medium
+from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy, LoadRule
 from kvtier.tier.planner import Calibration, Planner
 
 FAST_CAL = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)

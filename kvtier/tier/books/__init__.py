@@ -2,7 +2,7 @@
 and what a request is answered; it never touches bytes. Pure Python: no torch.
 
 `manager.py` (`TierManager`) answers the engine; `below.py` walks the stores below host;
-`load_policy.py` decides restore or recompute; `protocol.py` is what every index implements;
+`protocol.py` is what every index implements;
 `policy.py` the eviction policies, `slots.py` and `host.py` the host rows. Each store's own
 index lives in its folder (`../stores/<name>/index.py`).
 """

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
-from kvtier.tier.books.load_policy import Ahead, Decline, LoadPolicy
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
 from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
+from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
 from kvtier.tier.match import FETCHING, NO_MATCH, Match, declines
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner

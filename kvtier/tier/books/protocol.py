@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.report import IndexStats
 
 
 @dataclass(frozen=True)
@@ -34,23 +35,6 @@ class PrepareStoreResult:
     keys: list[BlockKey]
     slots: list[int]
     evicted: list[BlockKey]
-
-
-@dataclass
-class IndexStats:
-    """Counters (monotonic, in keys) and gauges a benchmark or /metrics reads."""
-
-    lookups: int = 0  # keys examined by lookup (up to and including the first miss)
-    hits: int = 0  # keys found complete and confirmed
-    stores: int = 0  # keys whose store completed successfully
-    store_failures: int = 0  # keys whose store failed and were forgotten
-    loads: int = 0  # keys whose load completed successfully
-    load_failures: int = 0  # keys whose load was reported failed
-    evictions: int = 0  # keys evicted to make room for a store
-    collisions: int = 0  # key matched but stored token ids did not (never served)
-    used: int = 0  # gauge: slots holding a key (complete or storing)
-    capacity: int = 0  # gauge: slots in the tier
-    pinned: int = 0  # gauge: slots pinned by an in-flight store or load
 
 
 class Tier(Protocol):

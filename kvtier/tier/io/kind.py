@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
+from kvtier.tier import registry
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.config import TierConfig
 from kvtier.tier.keys import Medium
@@ -82,3 +83,9 @@ class StoreKind(Protocol):
         ...
 
     def open_bytes(self, site: StoreSite) -> SecondaryStore: ...
+
+
+def configured_kinds(config: TierConfig) -> list[StoreKind]:
+    """The stores `config` asks for (`registry.py`), nearest to host first, as the builder
+    opens them."""
+    return [cast(StoreKind, kind) for kind in registry.configured(config)]
