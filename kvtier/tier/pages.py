@@ -205,6 +205,8 @@ class PageStore:
     def _check(self, keys: Sequence[BlockKey], pages: Sequence[memoryview]) -> None:
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a page key given twice in one call")
         for k, p in zip(keys, pages):
             if not isinstance(k, bytes) or not 1 <= len(k) <= MAX_KEY_NBYTES:
                 raise ValueError(f"a page key is 1..{MAX_KEY_NBYTES} bytes, not {k!r}")

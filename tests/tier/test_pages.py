@@ -106,5 +106,8 @@ def test_bad_calls_are_refused(tmp_path: Path) -> None:
             a.get(KEYS[:2], pages(1))
         with pytest.raises(ValueError, match="a page key"):
             a.put([b""], pages(1))
+        with pytest.raises(ValueError, match="given twice"):
+            a.put([KEYS[0], KEYS[0]], pages(2))
+        assert a.counts.written == 0  # nothing of a refused call was written
     finally:
         a.close()
