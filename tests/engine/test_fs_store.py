@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tier_faults import BASE, BLOCK, CHILD, Engine, assert_same, greedy_answers, prompt
+from test_tier_faults import (
+    BASE,
+    BLOCK,
+    CHILD,
+    Engine,
+    assert_same,
+    greedy_answers,
+    prompt,
+    woken_on_b,
+)
 
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
@@ -44,16 +53,7 @@ def written(directory: Path, **more: Any) -> list[int]:
 
 def test_a_conversation_from_process_a_wakes_on_b(tiny: LoadedModel, tmp_path: Path,
                                                   reference: Any) -> None:
-    ids = written(tmp_path)
-    b = Engine(tiny, **knobs(tmp_path))
-    try:
-        out = b.run(ids)
-        stats = b.deep()
-    finally:
-        b.close()
-    assert out.residency == "remote" and out.num_restored_tokens == 6 * BLOCK
-    assert_same(out, reference(ids))
-    assert stats["fetched_blocks"] == {"fs": 6} and stats["misses"] == {}
+    stats = woken_on_b(tiny, written(tmp_path), reference, "fs", **knobs(tmp_path))
     assert stats["fs"]["hits"] == 6 and stats["fs"]["errors"] == 0
 
 

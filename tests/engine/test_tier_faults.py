@@ -190,10 +190,11 @@ def written_remote(url: str) -> list[int]:
     return [*first, *tokens, 3, 4, 5, 6]
 
 
-def test_conversation_from_process_a_wakes_on_b(tiny: LoadedModel, redis_server: Any,
-                                                reference: Any) -> None:
-    ids = written_remote(redis_server.url)
-    b = Engine(tiny, remote_kv_url=redis_server.url)
+def woken_on_b(tiny: LoadedModel, ids: list[int], reference: Any, medium: str,
+               **knobs: Any) -> dict[str, Any]:
+    """Process B wakes `ids` from the shared store `knobs` name: every block restored from
+    `medium`, the answer exact; B's stats below host."""
+    b = Engine(tiny, **knobs)
     try:
         out = b.run(ids)
         stats = b.deep()
@@ -201,7 +202,14 @@ def test_conversation_from_process_a_wakes_on_b(tiny: LoadedModel, redis_server:
         b.close()
     assert out.residency == "remote" and out.num_restored_tokens == 6 * BLOCK
     assert_same(out, reference(ids))
-    assert stats["fetched_blocks"] == {"remote": 6} and stats["misses"] == {}
+    assert stats["fetched_blocks"] == {medium: 6} and stats["misses"] == {}
+    return stats
+
+
+def test_conversation_from_process_a_wakes_on_b(tiny: LoadedModel, redis_server: Any,
+                                                reference: Any) -> None:
+    ids = written_remote(redis_server.url)
+    woken_on_b(tiny, ids, reference, "remote", remote_kv_url=redis_server.url)
 
 
 # Values are received straight into host rows (redis_direct.py); "padded" and "cut" have

@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_tier_faults import BLOCK, Engine, assert_same, greedy_answers, written_remote
+from test_tier_faults import (
+    BLOCK,
+    Engine,
+    assert_same,
+    greedy_answers,
+    woken_on_b,
+    written_remote,
+)
 
 from kvtier.model.loader import LoadedModel
 from kvtier.tier.io.block_format import pack, unpack
@@ -28,15 +35,7 @@ def test_a_conversation_crosses_processes_through_valkey(tiny: LoadedModel, valk
     info = valkey_server.client().info("server")
     assert str(info.get("valkey_version", "")).startswith("9.")
     ids = written_remote(valkey_url(valkey_server))
-    b = Engine(tiny, remote_kv_url=valkey_url(valkey_server))
-    try:
-        out = b.run(ids)
-        stats = b.deep()
-    finally:
-        b.close()
-    assert out.residency == "remote" and out.num_restored_tokens == 6 * BLOCK
-    assert_same(out, reference(ids))
-    assert stats["fetched_blocks"] == {"remote": 6} and stats["misses"] == {}
+    stats = woken_on_b(tiny, ids, reference, "remote", remote_kv_url=valkey_url(valkey_server))
     assert stats["remote"]["url"].startswith("valkey://")
 
 
