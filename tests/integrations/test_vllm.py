@@ -181,3 +181,19 @@ def test_a_second_vllm_hits_the_first_ones_prefix_through_a_redis_cluster(
     assert run["tokens"] == reference[-1]["tokens"]
     assert run["logprobs"] == reference[-1]["logprobs"]
     assert run["metrics"]["vllm:kvtier_fetched_blocks{tier=remote}"] == 7
+
+
+def test_a_second_vllm_wakes_the_prefix_from_a_shared_directory(
+        vllm_python: Path, smollm2_hf: Path, reference: list[dict], tmp_path: Path) -> None:
+    """A plug-in store under vLLM: its knobs come in kv_stores, the scheduler asks the
+    directory for presence, the worker reads the files into host rows."""
+    shared = {**HOST, "kv_stores": {"fs": {"path": str(tmp_path / "shared")}}}
+    first = serve_a(vllm_python, smollm2_hf, shared)
+    assert first["tokens"] == reference[0]["tokens"]
+    assert first["metrics"]["vllm:kvtier_written_blocks{tier=fs}"] == 8
+    run = serve_a(vllm_python, smollm2_hf, shared)
+    assert run["kv_transfer_params"]["kvtier_residency"] == "remote"
+    assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == FULL
+    assert run["tokens"] == reference[-1]["tokens"]
+    assert run["logprobs"] == reference[-1]["logprobs"]
+    assert run["metrics"]["vllm:kvtier_fetched_blocks{tier=fs}"] == 7
