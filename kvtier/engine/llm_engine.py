@@ -28,7 +28,7 @@ from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
 from kvtier.sequence import Phase, SamplingParams, Sequence
-from kvtier.tier import BlockKey, Fingerprint
+from kvtier.tier import BlockKey, Fingerprint, hash_blocks
 
 PromptType = str | list[int] | dict[str, Any]
 NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
@@ -113,6 +113,38 @@ class LLMEngine:
         also lands in `stream_deltas` (drained by the caller, e.g. the server's loop)."""
         params = params if params is not None else SamplingParams()
         params.validate()
+        text, token_ids = self._checked_prompt(prompt)
+        if strict_length and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens "
+                f"exceeds max_model_len={self.max_model_len}; lower max_tokens"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)
+        self.faults.admitted(params)
+        self.scheduler.add(seq, self.namespace(cache_salt))
+        if stream:
+            self._streaming.add(rid)
+        return rid
+
+    def prefetch(self, prompt: PromptType, cache_salt: str = "") -> dict[str, Any]:
+        """Bring this prompt's prefix up from the stores below host into host memory now,
+        for a request expected soon (a client's hint; nothing is computed). What was found:
+        the prompt's full blocks, those already on host, those on their way up and from
+        where. RequestError for a prompt no request could send."""
+        _, token_ids = self._checked_prompt(prompt)
+        self.scheduler.apply(self.tier.reap())  # what landed since the last step counts
+        bs = self.scheduler.block_size
+        keys = hash_blocks(self.namespace(cache_salt), token_ids, bs)
+        chunks = [token_ids[i * bs:(i + 1) * bs] for i in range(len(keys))]
+        found = self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks)
+        return {"prompt_tokens": len(token_ids), "blocks": len(keys),
+                "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
+                "from": [m.value for m in found.media]}
+
+    def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids, refused (RequestError) where no request could
+        send it: empty, outside the vocabulary, or past max_model_len."""
         text, token_ids = self._tokenize(prompt)
         if not token_ids or text == "":
             raise RequestError("the prompt is empty; send at least one token")
@@ -127,18 +159,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
                 " (the model's context, capped by the device pool); shorten the prompt"
             )
-        if strict_length and len(token_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens "
-                f"exceeds max_model_len={self.max_model_len}; lower max_tokens"
-            )
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)
-        self.faults.admitted(params)
-        self.scheduler.add(seq, self.namespace(cache_salt))
-        if stream:
-            self._streaming.add(rid)
-        return rid
+        return text, token_ids
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

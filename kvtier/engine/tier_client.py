@@ -28,6 +28,7 @@ from kvtier.tier import (
     Faults,
     KVLayout,
     Match,
+    Prefetch,
     RequestOutcome,
     StoreDone,
     Tier,
@@ -98,6 +99,16 @@ class TierClient:
               ) -> Match | None:
         """`compute_ahead`: prompt tokens of running sequences not computed yet."""
         return self.manager.match(request_id, keys, tokens, preempted, compute_ahead)
+
+    def prefetch(self, request_id: str, keys: Sequence[BlockKey],
+                 tokens: Sequence[Sequence[int]]) -> Prefetch:
+        """Bring this prefix up into host now (waiting for a shared store's presence
+        answer, at most its wait)."""
+        found = self.manager.prefetch(request_id, keys, tokens)
+        if found is None:
+            self.manager.wait_presence()
+            found = self.manager.prefetch(request_id, keys, tokens)
+        return found or Prefetch()
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool, swap_in: bool) -> int | None:
@@ -284,6 +295,10 @@ class NullTier:
               tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0
               ) -> Match | None:
         return NO_MATCH
+
+    def prefetch(self, request_id: str, keys: Sequence[BlockKey],
+                 tokens: Sequence[Sequence[int]]) -> Prefetch:
+        return Prefetch()  # no tier: nothing is kept anywhere to bring up
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool, swap_in: bool) -> int | None:

@@ -25,6 +25,7 @@ from kvtier.server.protocol import error_body
 from kvtier.server.request_body import ApiError, default_max_request_bytes
 from kvtier.server.routes_admin import admin_routes
 from kvtier.server.routes_completions import completion_routes
+from kvtier.server.routes_kv import kv_routes
 
 
 def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None = None,
@@ -45,6 +46,7 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
     # admin first: the routes (and /openapi.json) keep the order they always had
     app.include_router(admin_routes(loop, served_name, metrics, tenant_of))
     app.include_router(completion_routes(loop, served_name, metrics, tenant_of, body_limit))
+    app.include_router(kv_routes(loop, served_name, tenant_of, body_limit))
     return app
 
 

@@ -131,6 +131,28 @@ class ChatCompletionRequest(_Common):
             else self.max_tokens
 
 
+class PrefetchRequest(BaseModel):
+    """POST /v1/kv/prefetch: the prompt (or chat messages) a request will send soon."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+
+    def check(self) -> None:
+        """One of prompt and messages (RequestError otherwise)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give the prompt to prefetch as exactly one of 'prompt' "
+                               "(text or token ids) and 'messages'")
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """The namespace salt of a tenant's request: its own blocks, and its cache_salt's."""
+    return f"tenant={tenant}|salt={cache_salt or ''}"
+
+
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -18,7 +18,7 @@ from kvtier.errors import KvtierError
 from kvtier.metrics import Metrics
 from kvtier.output import RequestOutput, StreamDelta
 from kvtier.server.engine_loop import EngineLoop, RequestFailed, RequestStream
-from kvtier.server.protocol import error_body
+from kvtier.server.protocol import error_body, tenant_salt
 from kvtier.server.request_body import ApiError
 from kvtier.server.shapes import Shape
 
@@ -37,8 +37,8 @@ class Responder:
         loop = self.loop
         try:
             params = req.sampling(max_tokens)
-            salt = f"tenant={tenant}|salt={req.cache_salt or ''}"
-            stream = await loop.submit(prompt, params, cache_salt=salt)
+            stream = await loop.submit(prompt, params,
+                                       cache_salt=tenant_salt(tenant, req.cache_salt))
         except RequestFailed as e:
             raise ApiError(e.status, str(e), kind="server_error") from None
         except KvtierError as e:

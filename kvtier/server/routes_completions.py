@@ -19,7 +19,7 @@ from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import RequestError
 from kvtier.metrics import Metrics
 from kvtier.server.engine_loop import EngineLoop, RequestFailed
-from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvtier.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvtier.server.request_body import ApiError, json_body, prompt_text, read_body
 from kvtier.server.responses import Responder
 
@@ -30,7 +30,6 @@ def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
                       tenant_of: Callable[[Request], str], body_limit: int) -> APIRouter:
     """The two generation routes; `tenant_of` authenticates (401) and `body_limit` bounds
     a request body (413) before it is read whole."""
-    max_len = loop.engine.max_model_len
     names = {served_name, "default"}
     responder = Responder(loop, served_name, metrics)
     router = APIRouter()
@@ -53,12 +52,7 @@ def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
         req: CompletionRequest = await parse(request, CompletionRequest)
-        if isinstance(req.prompt, str):
-            text = prompt_text(req.prompt, max_len)
-            ids = await asyncio.to_thread(loop.engine.tokenizer.encode, text)
-            prompt: PromptType = {"prompt": text, "prompt_token_ids": ids}
-        else:
-            prompt = {"prompt_token_ids": req.prompt}
+        prompt = await completion_prompt(loop, req.prompt)
         return await responder.serve(request, req, prompt, req.max_tokens, tenant, chat=False)
 
     @router.post("/v1/chat/completions")
@@ -66,21 +60,34 @@ def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
     async def chat(request: Request) -> Response:
         tenant = tenant_of(request)
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        tokenizer = loop.engine.tokenizer
-        try:
-            messages = [{"role": m.role, "content": prompt_text(m.text(), max_len)}
-                        for m in req.messages]
-            # the template and the tokenizer run off the event loop: other requests go on
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
-                                           add_generation_prompt=True)
-        except RequestError as e:
-            raise ApiError(400, str(e)) from None
-        text = prompt_text(text, max_len)
-        ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-        return await responder.serve(request, req, {"prompt": text, "prompt_token_ids": ids},
-                                     req.limit, tenant, chat=True)
+        prompt = await chat_prompt(loop, req.messages)
+        return await responder.serve(request, req, prompt, req.limit, tenant, chat=True)
 
     return router
+
+
+async def completion_prompt(loop: EngineLoop, prompt: str | list[int]) -> PromptType:
+    """A completion's prompt: text tokenized off the event loop, or the ids as given."""
+    if isinstance(prompt, list):
+        return {"prompt_token_ids": prompt}
+    text = prompt_text(prompt, loop.engine.max_model_len)
+    return {"prompt": text,
+            "prompt_token_ids": await asyncio.to_thread(loop.engine.tokenizer.encode, text)}
+
+
+async def chat_prompt(loop: EngineLoop, messages: list[ChatMessage]) -> PromptType:
+    """Chat messages through the model's template, off the event loop (other requests go
+    on); 400 for a message the template cannot take."""
+    tokenizer, max_len = loop.engine.tokenizer, loop.engine.max_model_len
+    try:
+        turns = [{"role": m.role, "content": prompt_text(m.text(), max_len)} for m in messages]
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, turns,
+                                       add_generation_prompt=True)
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    text = prompt_text(text, max_len)
+    ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def guarded(handler: Callable[[Request], Awaitable[Response]]

@@ -39,7 +39,7 @@ from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_ke
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
 from kvtier.tier.load_policy import Decline
-from kvtier.tier.match import declines
+from kvtier.tier.match import Prefetch, declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
@@ -80,6 +80,7 @@ __all__ = [
     "Medium",
     "PageStore",
     "Planner",
+    "Prefetch",
     "Reason",
     "RequestOutcome",
     "Residency",

@@ -1,4 +1,5 @@
-"""What the tier answers a request's lookup: the blocks to load and where they came from."""
+"""What the tier answers a request's lookup (the blocks to load and where they came from),
+and a prefetch (what it found, and what it is bringing up)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ class Match:
         if not self.load_keys:
             return None
         return self.fetched_from or Medium.HOST
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """What a prefetch found of a prefix expected back: blocks already on host, and blocks
+    on their way up to host from the stores below (`media`, nearest first)."""
+
+    host_blocks: int = 0
+    fetching_blocks: int = 0
+    media: tuple[Medium, ...] = ()
 
 
 NO_MATCH = Match()

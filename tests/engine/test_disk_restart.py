@@ -17,6 +17,7 @@ import torch
 import kvtier.tier.fingerprint as fingerprint
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
@@ -130,3 +131,30 @@ def test_any_fingerprint_change_misses(change: str, written: tuple[Path, list[in
     assert out.residency == "new" and out.num_restored_tokens == 0
     assert out.token_ids == reference.token_ids
     assert stats["tiers_below_host"]["fetched_blocks"] == {}
+
+
+def test_a_prefetch_turns_the_disk_wake_into_a_host_wake(
+        written: tuple[Path, list[int]], tiny: LoadedModel, tmp_path: Path) -> None:
+    directory, prompt = written
+    reference, _ = second_turn(tiny, prompt, **BASE)
+    engine = LLMEngine(EngineConfig.from_knobs(model=tiny.source, **BASE, **TIERS,
+                                               disk_kv_path=copy_of(directory, tmp_path)),
+                       loaded=tiny)
+    try:
+        found = engine.prefetch(prompt)  # the client's hint: this session comes back soon
+        assert found == {"prompt_tokens": len(prompt), "blocks": len(prompt) // 16,
+                         "host_blocks": 0, "fetching_blocks": 6, "from": ["disk"]}
+        engine.drain()  # the user's think time: the fetch lands on host
+        again = engine.prefetch(prompt)
+        assert again["host_blocks"] == 6 and again["fetching_blocks"] == 0
+        rid = engine.add_request(prompt, PARAMS)
+        out = engine.run_to_completion([rid])[rid]
+        with pytest.raises(RequestError, match="empty"):
+            engine.prefetch([])
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            engine.prefetch([10**9])
+        assert engine.prefetch(prompt, cache_salt="another tenant")["host_blocks"] == 0
+    finally:
+        engine.close()
+    assert out.residency == "host" and out.num_restored_tokens == 96
+    assert out.token_ids == reference.token_ids and out.logprobs == reference.logprobs

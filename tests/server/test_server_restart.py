@@ -3,6 +3,7 @@ the next server on that directory resumes the conversation from disk, with the s
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,10 @@ def stop(proc: object) -> str:
     return out
 
 
+def prefetch(url: str, body: object) -> httpx.Response:
+    return httpx.post(f"{url}/v1/kv/prefetch", timeout=60, json=body)
+
+
 def test_sigterm_writes_the_cache_down_and_a_new_server_resumes(tmp_path: Path) -> None:
     disk = tmp_path / "kv"
     proc, url = serve(disk)
@@ -53,4 +58,47 @@ def test_sigterm_writes_the_cache_down_and_a_new_server_resumes(tmp_path: Path) 
     finally:
         stop(proc)
     assert residency == "disk"
+    assert resumed == expected
+
+
+def test_a_prefetch_brings_the_session_up_to_host_before_it_returns(tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    proc, url = serve(disk)
+    tokens, _ = complete(url, FIRST)
+    stop(proc)
+    second = [*FIRST, *tokens, 3, 4, 5]
+    proc, url = serve(disk)
+    try:
+        r = prefetch(url, {"prompt": second})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"object": "kv.prefetch", "model": "tiny",
+                            "prompt_tokens": len(second), "blocks": len(second) // 16,
+                            "host_blocks": 0, "fetching_blocks": 6, "from": ["disk"]}
+        deadline = time.monotonic() + 10
+        while prefetch(url, {"prompt": second}).json()["host_blocks"] < 6:
+            assert time.monotonic() < deadline, "the prefetch never landed on host"
+            time.sleep(0.05)
+        bad = {
+            "{}": ({}, 400, "exactly one of"),
+            "both": ({"prompt": [1], "messages": [{"role": "user", "content": "x"}]}, 400,
+                     "exactly one of"),
+            "empty": ({"prompt": []}, 400, "empty"),
+            "vocab": ({"prompt": [10**9]}, 400, "outside the vocabulary"),
+            "model": ({"model": "nope", "prompt": [1]}, 404, "does not exist"),
+            "salt": ({"prompt": [1], "cache_salt": 5}, 400, "cache_salt"),
+        }
+        for name, (body, status, why) in bad.items():
+            got = prefetch(url, body)
+            assert got.status_code == status and why in got.text, (name, got.text)
+        chat = prefetch(url, {"messages": [{"role": "user", "content": "hello"}]})
+        assert chat.status_code == 200 and chat.json()["host_blocks"] == 0, chat.text
+        resumed, residency = complete(url, second)
+    finally:
+        stop(proc)
+    proc, url = serve(None)
+    try:
+        expected, _ = complete(url, second)
+    finally:
+        stop(proc)
+    assert residency == "host"  # it would have woken from disk without the prefetch
     assert resumed == expected

@@ -10,6 +10,8 @@ Primitives, in the order a client calls them:
   store(blocks, keys, tokens)       device blocks -> host slots (the client holds an extra
                                     reference on each device block until its StoreDone)
   finished(request)                 the request is gone: its per-request state is dropped
+  prefetch(id, keys, tokens)        a prefix expected back soon: fetched up into host now
+                                    (a FetchDone under `id`, then `finished(id)`)
   reset()                           the client's keys move to a new identity (its engine's
                                     weights may have changed): drop every unpinned host block
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
@@ -37,7 +39,7 @@ from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
 from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
-from kvtier.tier.match import FETCHING, NO_MATCH, Match, declines
+from kvtier.tier.match import FETCHING, NO_MATCH, Match, Prefetch, declines
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
@@ -208,6 +210,28 @@ class TierManager:
                          declined_by=declines(state.declined, (reason, restored)))
         return Match(tuple(keys[:hits]), restored, decision, state.fetched_from,
                      declined_by=declines(state.declined))
+
+    def prefetch(self, request_id: str, keys: Sequence[BlockKey],
+                 tokens: Sequence[Sequence[int]]) -> Prefetch | None:
+        """A client's hint that this prefix comes back soon: bring what lies below host up
+        into host now (no device blocks, no restore decision yet), bounded like any fetch by
+        the host's room and the deadline's cap. None: a store's answer is pending."""
+        hits = self.host_hits(keys, tokens)
+        below = self.below
+        if hits == len(keys) or not below:
+            return Prefetch(hits)
+        media = below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
+        if media is None:
+            return None
+        via = below.deepest(media).value if media else ""
+        n = min(len(media), self.planner.blocks_within(via, below.block_bytes,
+                                                       self.config.fetch_deadline_s)
+                ) if media else 0
+        if n and below.fetch(request_id, keys[hits:hits + n], tokens[hits:hits + n],
+                             media[:n], lambda k: self.planner.fetch_s(via, k * below.block_bytes),
+                             self.config.fetch_deadline_s):
+            return Prefetch(hits, n, tuple(dict.fromkeys(media[:n])))
+        return Prefetch(hits)
 
     def _fetch(self, request_id: str, state: _Request, keys: Sequence[BlockKey],
                tokens: Sequence[Sequence[int]], media: list[Medium], compute_ahead: int
