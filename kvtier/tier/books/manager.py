@@ -27,14 +27,14 @@ a deeper tier's slots in theirs): neither is evicted nor handed out again.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
+from kvtier.tier.books.state import PendingTransfer, RequestState
 from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
@@ -43,33 +43,6 @@ from kvtier.tier.match import FETCHING, NO_MATCH, Match, Prefetch, declines
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
-
-
-@dataclass
-class _Pending:
-    """A device <-> host job in flight, with what its completion must do."""
-
-    job: Job
-    keys: list[BlockKey]
-    request_id: str | None = None
-    predicted_s: float | None = None
-    tokens: int = 0  # a load: the tokens it restores
-    swap: bool = False  # a load: a preempted request's own state coming back
-    demote: bool = False
-    evict_first: bool = False
-    exclusive: bool = False  # a load after which the host copy is dropped (write-back)
-    decided_at: float = field(default_factory=time.perf_counter)  # its wait counts too
-
-
-@dataclass
-class _Request:
-    """The tier's own state of one request (kept off the engine's sequence object)."""
-
-    checked_below: bool = False  # tiers below host were consulted once: never fetch twice
-    declined: Counter[Decline] = field(default_factory=Counter)  # tokens found, recomputed
-    fetched_from: Medium | None = None
-    fetching: bool = False  # its fetch below host is on its way
-    outcome: RequestOutcome = field(default_factory=RequestOutcome)
 
 
 class TierManager:
@@ -90,9 +63,9 @@ class TierManager:
         self.stats = TransferCounts()
         self.declined: Counter[Decline] = Counter()  # admitted requests per reason declined
         self._ids = ids
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingTransfer] = {}
         self._outbox: list[Job] = []
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._residency = residency if residency is not None else ResidencyLog(enabled=False)
 
     # -- queries ------------------------------------------------------------------------
@@ -179,7 +152,7 @@ class TierManager:
         computed. None: a deeper tier's answer is pending, ask again next step. Where
         the prefix goes on below host and reading it up beats recomputing it, the fetch
         starts here and the answer is FETCHING (not yet) until it lands."""
-        state = self._requests.setdefault(request_id, _Request())
+        state = self._requests.setdefault(request_id, RequestState())
         if state.fetching:
             return FETCHING
         hits = self.host_hits(keys, tokens)
@@ -217,54 +190,56 @@ class TierManager:
         into host now (no device blocks, no restore decision yet), bounded like any fetch by
         the host's room and the deadline's cap. None: a store's answer is pending."""
         hits = self.host_hits(keys, tokens)
-        below = self.below
-        if hits == len(keys) or not below:
+        if hits == len(keys) or not self.below:
             return Prefetch(hits)
-        media = below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
+        media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
         if media is None:
             return None
-        via = below.deepest(media).value if media else ""
-        n = min(len(media), self.planner.blocks_within(via, below.block_bytes,
-                                                       self.config.fetch_deadline_s)
-                ) if media else 0
-        if n and below.fetch(request_id, keys[hits:hits + n], tokens[hits:hits + n],
-                             media[:n], lambda k: self.planner.fetch_s(via, k * below.block_bytes),
-                             self.config.fetch_deadline_s):
+        n = self._within_deadline(media)
+        if n and self._fetch_up(request_id, keys[hits:hits + n], tokens[hits:hits + n],
+                                media[:n]):
             return Prefetch(hits, n, tuple(dict.fromkeys(media[:n])))
         return Prefetch(hits)
 
-    def _fetch(self, request_id: str, state: _Request, keys: Sequence[BlockKey],
+    def _fetch(self, request_id: str, state: RequestState, keys: Sequence[BlockKey],
                tokens: Sequence[Sequence[int]], media: list[Medium], compute_ahead: int
                ) -> bool:
         """Start bringing the leading `media` blocks up to host if reading them beats
         recomputing them; False if not worth it or the host has no room (those tokens are
         then recomputed, and counted so when the request is admitted)."""
-        if not media:
-            return False
-        below, cap = self.below, self.config.fetch_deadline_s
-        # No more than its deadline's cap brings at the predicted rate: the rest is recomputed.
-        n = min(len(media), self.planner.blocks_within(below.deepest(media).value,
-                                                       below.block_bytes, cap))
+        n = self._within_deadline(media)
         state.declined[Decline.DEADLINE] += (len(media) - n) * self.block_size
         if n == 0:
             return False
-        via = below.deepest(media[:n]).value
+        via = self.below.deepest(media[:n]).value
         _, reason = self.load_policy.decide(self.planner, n * self.block_size,
                                             n * self.block_bytes,
                                             self._ahead(compute_ahead, via), via,
-                                            via_nbytes=n * below.block_bytes)
+                                            via_nbytes=n * self.below.block_bytes)
         if reason is not None:
             state.declined[reason] += n * self.block_size
             return False
-
-        def predict(k: int) -> float:
-            return self.planner.fetch_s(via, k * below.block_bytes)
-
-        if below.fetch(request_id, keys[:n], tokens[:n], media[:n], predict, cap):
+        if self._fetch_up(request_id, keys[:n], tokens[:n], media[:n]):
             state.fetching = True
             return True
         state.declined[Decline.NO_ROOM] += n * self.block_size
         return False
+
+    def _within_deadline(self, media: Sequence[Medium]) -> int:
+        """How many of the leading blocks on `media` one fetch brings within the deadline's
+        cap at the predicted rate (the rest is recomputed)."""
+        return min(len(media), self.planner.blocks_within(
+            self.below.deepest(media).value, self.below.block_bytes,
+            self.config.fetch_deadline_s)) if media else 0
+
+    def _fetch_up(self, request_id: str, keys: Sequence[BlockKey],
+                  tokens: Sequence[Sequence[int]], media: Sequence[Medium]) -> bool:
+        """Start bringing `keys` (on `media`) up into host for `request_id`, its deadline
+        from the planner's prediction; False if the host had no room."""
+        via = self.below.deepest(media).value
+        return self.below.fetch(request_id, keys, tokens, media,
+                                lambda k: self.planner.fetch_s(via, k * self.below.block_bytes),
+                                self.config.fetch_deadline_s)
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
                   layerwise: bool = False, exclusive: bool = False, swap_in: bool = False
@@ -274,7 +249,7 @@ class TierManager:
         loaded, the device copy is the one that counts and the host slots are freed (a
         client that writes blocks back when it evicts them); `swap_in`: the request's own
         state after a preemption, counted apart from its prompt's restore."""
-        state = self._requests.setdefault(request_id, _Request())
+        state = self._requests.setdefault(request_id, RequestState())
         state.declined.clear()  # counted once, by this admission
         self.declined.update(reason for reason, _ in match.declined_by)
         self.below.release(request_id)  # the load takes pins of its own
@@ -292,7 +267,7 @@ class TierManager:
         job = Job(next(self._ids), Medium.HOST, Medium.DEVICE, tuple(slots),
                   device_blocks=tuple(device_blocks), layerwise=layerwise)
         predicted = match.decision.restore_s if match.decision is not None else None
-        self._add(_Pending(job, keys, request_id, predicted, match.restored_tokens,
+        self._add(PendingTransfer(job, keys, request_id, predicted, match.restored_tokens,
                            swap_in, exclusive=exclusive))
         return job.id
 
@@ -339,7 +314,7 @@ class TierManager:
         blocks = tuple(where[k] for k in prepared.keys)
         job = Job(next(self._ids), Medium.DEVICE, Medium.HOST, tuple(prepared.slots),
                   device_blocks=blocks)
-        self._add(_Pending(job, list(prepared.keys), demote=demote, evict_first=evict_first))
+        self._add(PendingTransfer(job, list(prepared.keys), demote=demote, evict_first=evict_first))
         return blocks
 
     def write_down_host(self) -> None:
@@ -348,7 +323,7 @@ class TierManager:
 
     # -- jobs and results ---------------------------------------------------------------
 
-    def _add(self, pending: _Pending) -> None:
+    def _add(self, pending: PendingTransfer) -> None:
         self._pending[pending.job.id] = pending
         self._outbox.append(pending.job)
 
@@ -382,7 +357,7 @@ class TierManager:
             self.planner.observe_tier(done.source.value, result.nbytes, result.seconds,
                                       done.predicted_s)
 
-    def _finish(self, pending: _Pending, result: Result) -> Event:
+    def _finish(self, pending: PendingTransfer, result: Result) -> Event:
         job, ok = pending.job, result.success
         nbytes = job.num_blocks * self.block_bytes
         if job.dst is Medium.HOST:
