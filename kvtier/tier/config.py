@@ -173,6 +173,7 @@ class TierConfig:
         self._validate_deep_tiers()
         registry.check(self)  # each store checks its own knobs
         stores = registry.configured(self)
+        self._validate_secret(shared=any(kind.shared for kind in stores))
         if stores and not self.enabled:
             raise ConfigError(
                 f"the tiers below host ({', '.join(kind.name for kind in stores)}) are staged "
@@ -195,15 +196,14 @@ class TierConfig:
             if not self.enabled:
                 raise ConfigError("kv_offload_dtype encodes blocks on their way down to host "
                                   "memory (and below): set kv_offloading_size as well")
-        self._validate_secret()
 
-    def _validate_secret(self) -> None:
-        """The MAC secret's knobs; messages name the knob, never the secret."""
+    def _validate_secret(self, shared: bool) -> None:
+        """The MAC secret's knobs (`shared`: a store that instances share is configured);
+        messages name the knob, never the secret."""
         secret, path = self.remote_kv_secret, self.remote_kv_secret_file
         if secret is not None and path is not None:
             raise ConfigError("remote_kv_secret and remote_kv_secret_file are both set; keep "
                               "remote_kv_secret_file (vLLM logs its kv-transfer config)")
-        shared = any(kind.shared for kind in registry.configured(self))
         if (secret is not None or path is not None) and not shared:
             name = "remote_kv_secret" if secret is not None else "remote_kv_secret_file"
             raise ConfigError(f"{name} is set but remote_kv_url is not (nor another store that "
