@@ -218,15 +218,32 @@ REMOTE_DAMAGE = {"payload": "checksum", "foreign": "fingerprint", "padded": "siz
                  "cut": "truncated"}
 
 
+@pytest.fixture(params=["redis", "valkey"])
+def shared_server(request: Any) -> tuple[Any, str]:
+    """A real Redis 7 or Valkey 9 server (the same protocol), and the URL naming it."""
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        return server, server.url
+    server = request.getfixturevalue("valkey_server")
+    return server, valkey_url(server)
+
+
+def valkey_url(server: Any) -> str:
+    """A Valkey server's URL in Valkey's own scheme (kvtier reads it as redis://)."""
+    return f"valkey://127.0.0.1:{server.port}/0"
+
+
 @pytest.mark.parametrize("damage", list(REMOTE_DAMAGE))
-def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel, redis_server: Any,
+def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel,
+                                        shared_server: tuple[Any, str],
                                         reference: Any) -> None:
-    ids = written_remote(redis_server.url)
-    b = Engine(tiny, remote_kv_url=redis_server.url)
+    server, url = shared_server
+    ids = written_remote(url)
+    b = Engine(tiny, remote_kv_url=url)
     try:
         store = b.engine.tier.worker.store(Medium.REMOTE).store
         name = store.key(b.keys(ids)[2])
-        client = redis_server.client()
+        client = server.client()
         header, payload = unpack(client.get(name))
         if damage == "payload":
             damaged = bytearray(payload)
