@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from kvtier.tier import registry
+from kvtier.tier.books.presence import ExistsFn, RemotePresence, RemoteTier
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.config import TierConfig
 from kvtier.tier.keys import Medium
@@ -40,6 +41,13 @@ class StoreSite:
     mac: BlockMac | None  # the deployment's MAC (its secret), for stores other instances share
     undo: ExitStack  # what was opened, closed again if the build fails later
     changes: ResidencyLog | None = None  # where a local index tells its residency changes
+
+    def presence_books(self, exists: ExistsFn, medium: Medium) -> RemoteTier:
+        """The books of a store other instances write: presence asked of it (`exists`) on a
+        thread of its own, stopped by `undo` if the build fails later."""
+        books = RemoteTier(RemotePresence(exists), medium)
+        self.undo.callback(books.close)
+        return books
 
 
 @dataclass(frozen=True)

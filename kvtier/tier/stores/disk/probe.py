@@ -7,8 +7,9 @@ import errno
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
+
+from kvtier.tier.io.probe import cold_read_gbps
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATI
         if free < SCRATCH_HEADROOM * blocks * block_bytes:
             raise OSError(errno.ENOSPC, f"{free} bytes free, the calibration writes "
                                         f"{blocks * block_bytes}")
-        return _timed_read(path, os.urandom(block_bytes), blocks)
+        return cold_read_gbps(path, block_bytes, blocks)
     except OSError as e:  # a full or failing disk must not stop serving: assume a slow one
         path.unlink(missing_ok=True)
         why = e.strerror or str(e)
@@ -39,21 +40,3 @@ def measure_disk_gbps(directory: Path, block_bytes: int, blocks: int = CALIBRATI
                     directory, why, UNMEASURED_DISK_GBPS)
         return UNMEASURED_DISK_GBPS
 
-
-def _timed_read(path: Path, payload: bytes, blocks: int) -> float:
-    block_bytes = len(payload)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-    try:
-        for i in range(blocks):
-            os.pwrite(fd, payload, i * block_bytes)
-        os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        for i in range(blocks):
-            os.pread(fd, block_bytes, i * block_bytes)
-        seconds = time.perf_counter() - start
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    return blocks * block_bytes / max(seconds, 1e-9) / 1e9

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.kind import Opened, StoreSite
+from kvtier.tier.io.probe import cold_read_gbps
 from kvtier.tier.keys import Medium
 
 if TYPE_CHECKING:
-    from kvtier.tier.stores.fs.blocks import BlockFiles, FsBlocks
+    from kvtier.tier.stores.fs.blocks import FsBlocks
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +72,13 @@ class FsKind:
 
     def open_both(self, site: StoreSite) -> Opened:
         blocks = self.open_bytes(site)
-        return Opened(blocks, self._books(blocks.files, site), self._read_gbps(blocks, site))
+        return Opened(blocks, site.presence_books(blocks.files.exists_many, self.medium),
+                      self._read_gbps(blocks, site))
 
     def open_books(self, site: StoreSite) -> tuple[SecondaryIndex, float]:
         blocks = self.open_bytes(site)
-        return self._books(blocks.files, site), self._read_gbps(blocks, site)
+        return (site.presence_books(blocks.files.exists_many, self.medium),
+                self._read_gbps(blocks, site))
 
     def open_bytes(self, site: StoreSite) -> FsBlocks:
         from kvtier.tier.stores.fs.blocks import DIR_MODE, BlockFiles, FsBlocks
@@ -97,12 +98,6 @@ class FsKind:
     def _knobs(self, config: TierConfig) -> Mapping[str, Any]:
         return config.kv_stores[self.name]
 
-    def _books(self, files: BlockFiles, site: StoreSite) -> RemoteTier:
-        """Presence asked of the directory on a thread of its own."""
-        tier = RemoteTier(RemotePresence(files.exists_many), self.medium)
-        site.undo.callback(tier.close)
-        return tier
-
     def _read_gbps(self, blocks: FsBlocks, site: StoreSite) -> float:
         """Configured, else a few scratch blocks written, dropped from the page cache where
         the kernel allows, and read back; a slow guess where that fails."""
@@ -110,28 +105,13 @@ class FsKind:
         if given:
             return float(given)
         scratch = blocks.files.dir / f".kvtier-probe-{os.getpid()}"
-        payload = os.urandom(site.slot_bytes)
         try:
-            fd = os.open(scratch, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-            try:
-                for i in range(PROBE_BLOCKS):
-                    os.pwrite(fd, payload, i * len(payload))
-                os.fsync(fd)
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                began = time.perf_counter()
-                for i in range(PROBE_BLOCKS):
-                    os.pread(fd, len(payload), i * len(payload))
-                seconds = time.perf_counter() - began
-            finally:
-                os.close(fd)
-                scratch.unlink(missing_ok=True)
+            return cold_read_gbps(scratch, site.slot_bytes, PROBE_BLOCKS)
         except OSError as e:
             log.warning("kvtier: the fs store's read rate could not be measured in %s (%s); "
                         "the planner starts from %.1f GB/s (set kv_stores.fs.read_gbps)",
                         blocks.files.dir, e.strerror or e, UNMEASURED_GBPS)
             return UNMEASURED_GBPS
-        return PROBE_BLOCKS * len(payload) / max(seconds, 1e-9) / 1e9
 
 
 FS = FsKind()

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
-from kvtier.tier.books.presence import RemotePresence, RemoteTier
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.kind import Opened, StoreSite
@@ -51,12 +50,13 @@ class RedisKind:
 
     def open_both(self, site: StoreSite) -> Opened:
         blocks = self.open_bytes(site)
-        return Opened(blocks, self._presence(blocks.store, site),
+        return Opened(blocks, site.presence_books(blocks.store.exists_many, self.medium),
                       self._read_gbps(blocks.store, site))
 
     def open_books(self, site: StoreSite) -> tuple[SecondaryIndex, float]:
         store = self._connect(site)  # presence only, on a connection of the scheduler's own
-        return self._presence(store, site), self._read_gbps(store, site)
+        return (site.presence_books(store.exists_many, self.medium),
+                self._read_gbps(store, site))
 
     def open_bytes(self, site: StoreSite) -> RemoteBlocks:
         from kvtier.tier.stores.redis.blocks import RemoteBlocks
@@ -84,12 +84,6 @@ class RedisKind:
                                write_timeout_s=config.remote_write_timeout_s)
         site.undo.callback(store.close)
         return store
-
-    def _presence(self, store: KeyValueStore, site: StoreSite) -> RemoteTier:
-        """The index: presence asked of `store` on a thread of its own."""
-        tier = RemoteTier(RemotePresence(store.exists_many))
-        site.undo.callback(tier.close)
-        return tier
 
     def _read_gbps(self, store: KeyValueStore, site: StoreSite) -> float:
         return remote_rate(store, site.slot_bytes, site.config.remote_kv_read_gbps)
