@@ -66,10 +66,10 @@ from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
 from kvtier.stats import RequestLog, engine_stats
-from kvtier.tier.stores.disk.probe import measure_disk_gbps
-from kvtier.tier.stores.redis.probe import measure_remote_gbps
 from kvtier.tier.planner import Decision
 from kvtier.tier.stores.disk.file import FILE_NAME
+from kvtier.tier.stores.disk.probe import measure_disk_gbps
+from kvtier.tier.stores.redis.probe import measure_remote_gbps
 from kvtier.tier.stores.redis.store import RedisStore
 
 GIB = 1024**3
