@@ -22,7 +22,9 @@ from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import TierManager, job_ids
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.books.residency_log import ResidencyLog
-from kvtier.tier.config import MIN_SECRET_NBYTES, TierConfig, host_slot_count
+from kvtier.tier.books.retention_file import RetentionFile
+from kvtier.tier.books.tenancy import Quotas, Tenancy
+from kvtier.tier.config import MIN_SECRET_NBYTES, TierConfig, host_slot_count, quota_blocks
 from kvtier.tier.driver import Tier
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.io.block_mac import BlockMac
@@ -58,8 +60,9 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
     with ExitStack() as undo:  # anything opened is closed again if a later step fails
         host, link = _host_and_link(config, layout, faults, undo)
         calibration = measure_link(link, host, prefill_tokens_per_s)
+        tenancy = make_tenancy(config, host.slot_bytes)
         site = StoreSite(config, namespace, block_size, host.slot_bytes, host.encoding, mac,
-                         undo)
+                         undo, tenancy=tenancy)
         stores: list[SecondaryStore] = []
         indexes: list[SecondaryIndex] = []
         for kind in configured_kinds(config):
@@ -68,7 +71,7 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
             indexes.append(opened.index)
             calibration.tier_gbps[kind.medium.value] = opened.read_gbps
         manager = _manager(config, block_size, host.num_slots, host.slot_bytes, host.encoding,
-                           link.layout.block_nbytes, calibration, indexes)
+                           link.layout.block_nbytes, calibration, indexes, tenancy)
         io = TierIO(host, namespace, stores, faults.below, faults.slow)
         tier = Tier(manager, TierWorker(host, link, io))
         undo.pop_all()
@@ -104,8 +107,9 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
     slot_bytes = host_slot_nbytes(block_nbytes, coded_shape, encoding)
     with ExitStack() as undo:
         # The store's namespace without the warning (the worker side gives it).
+        tenancy = make_tenancy(config, slot_bytes)
         site = StoreSite(config, namespace, block_size, slot_bytes, encoding,
-                         remote_mac(config, warn=False), undo, changes)
+                         remote_mac(config, warn=False), undo, changes, tenancy)
         indexes: list[SecondaryIndex] = []
         for kind in configured_kinds(config):
             index, read_gbps = kind.open_books(site)
@@ -113,7 +117,8 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
             calibration.tier_gbps[kind.medium.value] = read_gbps
         manager = _manager(config, block_size,
                            host_slot_count(config.kv_offloading_size, slot_bytes),
-                           slot_bytes, encoding, block_nbytes, calibration, indexes, changes)
+                           slot_bytes, encoding, block_nbytes, calibration, indexes, tenancy,
+                           changes)
         side = SchedulerTier(manager, undo.pop_all())
     return side
 
@@ -149,14 +154,25 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
 
 def _manager(config: TierConfig, block_size: int, host_slots: int, slot_bytes: int,
              encoding: str, block_nbytes: int, calibration: Calibration,
-             tiers: list[SecondaryIndex], changes: ResidencyLog | None = None) -> TierManager:
+             tiers: list[SecondaryIndex], tenancy: Tenancy,
+             changes: ResidencyLog | None = None) -> TierManager:
     """The bookkeeping: the host index, the planner (over `calibration`, the tiers' read
     rates measured in) and the manager over the tiers below host."""
     ids = job_ids()
-    host = HostTier(host_slots, config.eviction_policy, changes)
+    host = HostTier(host_slots, config.eviction_policy, changes, tenancy)
     below = BelowHost(host, tiers, slot_bytes, ids, encoding)
     return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below, ids,
                        changes)
+
+
+def make_tenancy(config: TierConfig, slot_bytes: int) -> Tenancy:
+    """Owners, quotas (the knobs' GiB in blocks of `slot_bytes`) and retention, kept
+    across restarts beside the disk tier's file when there is one."""
+    quotas = Quotas(quota_blocks(config.kv_tenant_quota, slot_bytes),
+                    {t: quota_blocks(q, slot_bytes) for t, q in config.kv_tenant_quotas.items()})
+    where = config.retention_dir
+    return Tenancy(quotas, config.kv_retention_max_s,
+                   RetentionFile(where) if where is not None else None)
 
 
 def remote_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:

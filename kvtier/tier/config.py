@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
 SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
 GIB = 1024**3
 REMOTE_WRITE_TIMEOUT_S = 2.0  # `remote_write_timeout_s`'s default
+DAY_S = 86400.0  # `kv_retention_max_s`'s default: OpenAI's "24h" retention
+QUOTA_TIERS = ("host", "disk")  # the tiers whose books count blocks per tenant
+MAX_TENANT_CHARS = 256
 
 
 def host_slot_count(size_gib: float, slot_bytes: int) -> int:
@@ -32,6 +36,25 @@ def host_slot_count(size_gib: float, slot_bytes: int) -> int:
             f"kv_offloading_size={size_gib:g} GiB holds no block: one block is "
             f"{slot_bytes} bytes ({slot_bytes / GIB:.6f} GiB); raise it")
     return num_slots
+
+
+def check_quota(knob: str, quota: Any) -> None:
+    """One tenant's quota map, {tier: GiB}: ConfigError naming `knob` otherwise."""
+    if not isinstance(quota, dict):
+        raise ConfigError(f"{knob}={quota!r} must be an object of tier -> GiB, as "
+                          '{"host": 0.5, "disk": 4}')
+    for tier, gib in quota.items():
+        if tier not in QUOTA_TIERS:
+            raise ConfigError(f"{knob} names the tier {tier!r}; quotas are per "
+                              f"{' and '.join(QUOTA_TIERS)}")
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or \
+                not math.isfinite(gib) or gib < 0:
+            raise ConfigError(f"{knob}[{tier!r}]={gib!r} must be a finite number of GiB >= 0")
+
+
+def quota_blocks(quota: dict[str, float], slot_bytes: int) -> dict[str, int]:
+    """A {tier: GiB} quota in blocks of `slot_bytes`."""
+    return {tier: int(gib * GIB // slot_bytes) for tier, gib in quota.items()}
 
 
 def available_ram_bytes() -> int:
@@ -74,6 +97,8 @@ BOUNDS: dict[str, Bounds] = {
     "remote_kv_read_gbps": _RATE,
     "fetch_deadline_s": (0.0, 3600.0),
     "remote_write_timeout_s": (0.0, 600.0),
+    "kv_retention_max_s": (0.0, 366 * DAY_S),
+    "kv_tenant_labels": (1, 10_000),
 }
 
 
@@ -137,6 +162,19 @@ class TierConfig:
     # the store: {"fs": {"path": "/mnt/shared/kv"}}. Walked after disk and Redis, in the
     # registry's order.
     kv_stores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Retention a request may ask for (kvtier serve's `kv_retention_s` or OpenAI's
+    # `prompt_cache_retention`, vLLM's `kv_transfer_params` `kvtier_retention_s`): the longest
+    # granted, in seconds (longer is refused, "refused:over_max"); 0 turns retention off.
+    kv_retention_max_s: float = DAY_S
+    # Quotas per tenant (a request's cache_salt, or kvtier serve's API key), GiB per slot
+    # tier: {"host": 0.5, "disk": 4}. A tenant over its quota loses blocks first when a tier
+    # must evict, and a retention over it is refused ("refused:quota"). Unset: no quota.
+    kv_tenant_quota: dict[str, float] = field(default_factory=dict)
+    # Named tenants' own quotas, replacing the default for them: {"alice": {"host": 2}}.
+    kv_tenant_quotas: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Tenants named in the per-tenant counters (/metrics, vLLM's stats): the ones holding
+    # most, the rest counted together as "other", so labels stay bounded.
+    kv_tenant_labels: int = 16
 
     @property
     def enabled(self) -> bool:
@@ -170,6 +208,7 @@ class TierConfig:
         if self.max_store_gbps is not None and not self.max_store_gbps > 0:
             raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
         LoadPolicy.parse(self.load_policy)
+        self._validate_quotas()
         self._validate_deep_tiers()
         registry.check(self)  # each store checks its own knobs
         stores = registry.configured(self)
@@ -179,6 +218,24 @@ class TierConfig:
                 f"the tiers below host ({', '.join(kind.name for kind in stores)}) are staged "
                 "through host memory: set kv_offloading_size (GiB of host memory) as well")
         check_bounds(self, BOUNDS)
+
+    @property
+    def retention_dir(self) -> str | None:
+        """Where retention deadlines are kept across restarts: the disk tier's directory."""
+        return self.disk_kv_path if self.disk_enabled else None
+
+    def _validate_quotas(self) -> None:
+        """The quota maps: tiers named as QUOTA_TIERS, sizes finite GiB >= 0, tenant names
+        non-empty strings."""
+        check_quota("kv_tenant_quota", self.kv_tenant_quota)
+        if not isinstance(self.kv_tenant_quotas, dict):
+            raise ConfigError(f"kv_tenant_quotas={self.kv_tenant_quotas!r} must be an object "
+                              "of tenant name -> {tier: GiB}")
+        for tenant, quota in self.kv_tenant_quotas.items():
+            if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_CHARS:
+                raise ConfigError(f"kv_tenant_quotas names the tenant {tenant!r}; a tenant is "
+                                  f"a non-empty string of at most {MAX_TENANT_CHARS} characters")
+            check_quota(f"kv_tenant_quotas[{tenant!r}]", quota)
 
     def _validate_deep_tiers(self) -> None:
         if not self.fetch_deadline_s > 0:

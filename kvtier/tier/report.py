@@ -9,11 +9,33 @@ client reads the manager's parts.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tier.jobs import Miss
+
+
+@dataclass
+class TenantCounts:
+    """One tenant's blocks, per tier (medium value), and what it asked for."""
+
+    held: Counter[str] = field(default_factory=Counter)  # blocks held now
+    retained: Counter[str] = field(default_factory=Counter)  # of those, retained now
+    evictions: Counter[str] = field(default_factory=Counter)  # blocks evicted so far
+    hits: int = 0  # blocks loaded for it from host
+    retention_granted: int = 0  # retention requests granted
+    retention_refused: Counter[str] = field(default_factory=Counter)  # by reason
+
+    def add(self, other: TenantCounts) -> None:
+        """Fold another tenant's counts into these (the `other` label)."""
+        for mine, theirs in ((self.held, other.held), (self.retained, other.retained),
+                             (self.evictions, other.evictions),
+                             (self.retention_refused, other.retention_refused)):
+            mine.update(theirs)
+        self.hits += other.hits
+        self.retention_granted += other.retention_granted
 
 
 @dataclass
@@ -77,3 +99,5 @@ class TierStats:
     below: BelowReport | None
     # admitted requests that recomputed tokens found in the tier, per Decline value
     declined: Mapping[str, int] = field(default_factory=dict)
+    # per tenant label (bounded: `kv_tenant_labels`, the rest as "other")
+    tenants: Mapping[str, TenantCounts] = field(default_factory=dict)

@@ -12,6 +12,7 @@ Primitives, in the order a client calls them:
   finished(request)                 the request is gone: its per-request state is dropped
   prefetch(id, keys, tokens)        a prefix expected back soon: fetched up into host now
                                     (a FetchDone under `id`, then `finished(id)`)
+  retain(keys, tenant, seconds)     keep a stored prefix until a deadline (-> Grant)
   reset()                           the client's keys move to a new identity (its engine's
                                     weights may have changed): drop every unpinned host block
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
@@ -35,6 +36,7 @@ from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
 from kvtier.tier.books.state import PendingTransfer, RequestState
+from kvtier.tier.books.tenancy import Grant
 from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
@@ -139,7 +141,8 @@ class TierManager:
                                        for t in self.planner.calibration.tier_gbps}},
             prediction_error=self.planner.error_report(),
             below=self.below.report() if self.below else None,
-            declined={reason.value: n for reason, n in self.declined.items()})
+            declined={reason.value: n for reason, n in self.declined.items()},
+            tenants=self.host.tenancy.report(self.config.kv_tenant_labels))
 
     # -- match and load -----------------------------------------------------------------
 
@@ -200,6 +203,11 @@ class TierManager:
                                 media[:n]):
             return Prefetch(hits, n, tuple(dict.fromkeys(media[:n])))
         return Prefetch(hits)
+
+    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
+        """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted
+        against `tenant`'s quota: granted whole, or refused with the reason."""
+        return self.host.tenancy.retain(keys, tenant, seconds)
 
     def _fetch(self, request_id: str, state: RequestState, keys: Sequence[BlockKey],
                tokens: Sequence[Sequence[int]], media: list[Medium], compute_ahead: int
@@ -264,6 +272,7 @@ class TierManager:
         keys = list(match.load_keys)
         slots = self.host.prepare_load(keys)
         self.host.touch(keys)
+        self.host.tenancy.hit(keys)
         job = Job(next(self._ids), Medium.HOST, Medium.DEVICE, tuple(slots),
                   device_blocks=tuple(device_blocks), layerwise=layerwise)
         predicted = match.decision.restore_s if match.decision is not None else None
@@ -298,13 +307,13 @@ class TierManager:
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], demote: bool = False,
-              evict_first: bool = False) -> tuple[int, ...] | None:
-        """Copy the blocks the host lacks; returns the device blocks the job reads (the
-        client must keep each one alive until its StoreDone), or None if the host could not
-        make room (nothing changes)."""
+              evict_first: bool = False, tenant: str = "") -> tuple[int, ...] | None:
+        """Copy the blocks the host lacks (new ones are `tenant`'s); returns the device
+        blocks the job reads (the client must keep each one alive until its StoreDone), or
+        None if the host could not make room (nothing changes)."""
         if not keys:
             return ()
-        prepared = self.host.prepare_store(keys, tokens)
+        prepared = self.host.prepare_store(keys, tokens, tenant, self.below.holds)
         if prepared is None:
             self.stats.store_refused += 1
             return None
@@ -318,8 +327,10 @@ class TierManager:
         return blocks
 
     def write_down_host(self) -> None:
-        """Every block complete on host that the disk lacks goes down (before a restart)."""
+        """Every block complete on host that the disk lacks goes down (before a restart),
+        and the retention deadlines are saved beside it."""
         self.below.write_down_host()
+        self.host.tenancy.save()
 
     # -- jobs and results ---------------------------------------------------------------
 

@@ -2,21 +2,27 @@
 
 Slot i is row i of the host pool (HostTier) or slot i of the disk file (DiskTier); this
 module only hands slots out, pins them while a copy is in flight, and evicts through the
-configured policy. Bytes never pass through here. Where a key becomes resident or stops being
-(a store completes or fails, an eviction, a removal) it is told to the tier's `ResidencyLog`.
+configured policy, fairly across tenants (`tenancy.py`): a tenant over its quota loses
+blocks first, and a retained block goes last, only where a tier below keeps it (host) and
+never before its deadline otherwise. Bytes never pass through here. Where a key becomes
+resident or stops being (a store completes or fails, an eviction, a removal) it is told to
+the tier's `ResidencyLog` and to its `Tenancy`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.policy import make_policy
 from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyLog
+from kvtier.tier.books.tenancy import Tenancy
 from kvtier.tier.keys import BlockKey, Medium
+
+Spill = Callable[[BlockKey], bool]  # True for a key a tier below keeps: the host may let go
 
 
 @dataclass
@@ -34,8 +40,9 @@ class SlotTier:
     size_knob = ""  # the knob that sizes the tier, for the error below
 
     def __init__(self, num_slots: int, policy: str = "lru",
-                 log: ResidencyLog | None = None) -> None:
-        """`log`: where residency changes go (None: a log that records nothing)."""
+                 log: ResidencyLog | None = None, tenancy: Tenancy | None = None) -> None:
+        """`log`: where residency changes go (None: a log that records nothing);
+        `tenancy`: owners, quotas and retention, shared by the slot tiers of one manager."""
         if num_slots < 1:
             raise ConfigError(
                 f"{self.medium.value} tier num_slots={num_slots} must be >= 1; "
@@ -49,6 +56,7 @@ class SlotTier:
         self._free: deque[int] = deque(range(num_slots))  # lowest slot first at start
         self._counts = IndexStats(capacity=num_slots)
         self.log = log if log is not None else ResidencyLog(enabled=False)
+        self.tenancy = tenancy if tenancy is not None else Tenancy()
 
     @property
     def stats(self) -> IndexStats:
@@ -79,12 +87,13 @@ class SlotTier:
         return hits
 
     def prepare_store(
-        self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]]
+        self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]],
+        tenant: str = "", spill: Spill | None = None,
     ) -> PrepareStoreResult | None:
         """Slots for the keys not yet present (storing ones count as present), pinned until
-        `complete_store`; None, with nothing changed, if too few unpinned keys can be evicted.
-        Keys of this batch that are already present are never evicted to make room.
-        """
+        `complete_store`; None, with nothing changed, if too few keys can be evicted. Keys
+        of this batch that are already present are never evicted to make room. New keys are
+        `tenant`'s; `spill` says which retained keys a tier below keeps (host only)."""
         assert len(token_chunks) == len(keys), "one chunk per key"
         new: dict[BlockKey, tuple[int, ...]] = {}
         for key, tokens in zip(keys, token_chunks):
@@ -93,17 +102,14 @@ class SlotTier:
         evicted: list[BlockKey] = []
         shortfall = len(new) - len(self._free)
         if shortfall > 0:
-            unpinned = len(self._entries) - len(self._storing) - len(self._pins)
-            if shortfall > unpinned:
-                return None
-            batch = set(keys)
-            victims = self.policy.evict(shortfall, lambda k: self._pinned(k) or k in batch)
+            victims = self._victims(shortfall, set(keys), spill)
             if victims is None:
                 return None
             for key in victims:
                 self._free.append(self._entries.pop(key).slot)
             self._counts.evictions += len(victims)
             self.log.record(self.medium, ChangeKind.REMOVED, victims)
+            self.tenancy.left(self.medium, victims, evicted=True)
             evicted = victims
         slots = []
         for key, tokens in new.items():
@@ -112,7 +118,43 @@ class SlotTier:
             self._storing.add(key)
             self.policy.insert(key)
             slots.append(slot)
+        self.tenancy.entered(self.medium, new, tenant)
         return PrepareStoreResult(list(new), slots, evicted)
+
+    def _victims(self, n: int, batch: set[BlockKey], spill: Spill | None
+                 ) -> list[BlockKey] | None:
+        """`n` keys to evict, or None (nothing changed) if fewer can go. In order: blocks of
+        tenants over their quota, then any unretained block in policy order, then (with
+        `spill`) retained blocks a tier below keeps."""
+        unpinned = len(self._entries) - len(self._storing) - len(self._pins)
+        if n > unpinned:
+            return None
+        tenancy = self.tenancy
+        if not tenancy.quotas and not tenancy.any_retained:  # the plain policy
+            return self.policy.evict(n, lambda k: self._pinned(k) or k in batch)
+
+        def kept(k: BlockKey) -> bool:
+            return self._pinned(k) or k in batch or tenancy.retained(k)
+        spilled = (lambda k: self._pinned(k) or k in batch
+                   or (tenancy.retained(k) and not spill(k))) if spill else kept
+        if sum(1 for k in self._entries if not spilled(k)) < n:
+            return None
+        victims: list[BlockKey] = []
+        taken: Counter[str] = Counter()
+        while tenancy.quotas and len(victims) < n:  # over quota first, one at a time
+            got = self.policy.evict(1, lambda k: kept(k) or not tenancy.over(
+                self.medium, tenancy.owner(k), taken[tenancy.owner(k)]))
+            if got is None:
+                break
+            victims += got
+            taken[tenancy.owner(got[0])] += 1
+        for skip in (kept, spilled):
+            if len(victims) < n:
+                chosen = set(victims)
+                room = sum(1 for k in self._entries if not skip(k) and k not in chosen)
+                victims += self.policy.evict(min(n - len(victims), room), skip) or []
+        assert len(victims) == n, "the evictable keys were counted first"
+        return victims
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
         """Success makes the keys visible to lookup; failure frees their slots and forgets them."""
@@ -128,6 +170,7 @@ class SlotTier:
             self._counts.stores += len(keys)
         else:
             self._counts.store_failures += len(keys)
+            self.tenancy.left(self.medium, keys)
         self.log.record(self.medium, ChangeKind.STORED if success else ChangeKind.FAILED, keys)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -157,6 +200,7 @@ class SlotTier:
             self._free.append(self._entries.pop(key).slot)
             self.policy.remove(key)
         self.log.record(self.medium, ChangeKind.REMOVED, dropped)
+        self.tenancy.left(self.medium, dropped)
         return len(dropped)
 
     @property

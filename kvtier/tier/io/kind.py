@@ -25,6 +25,7 @@ from kvtier.tier.keys import Medium
 
 if TYPE_CHECKING:  # the bytes side (torch) only where a store opens it
     from kvtier.tier.books.residency_log import ResidencyLog
+    from kvtier.tier.books.tenancy import Tenancy
     from kvtier.tier.io.block_mac import BlockMac
     from kvtier.tier.io.store import SecondaryStore
 
@@ -41,6 +42,7 @@ class StoreSite:
     mac: BlockMac | None  # the deployment's MAC (its secret), for stores other instances share
     undo: ExitStack  # what was opened, closed again if the build fails later
     changes: ResidencyLog | None = None  # where a local index tells its residency changes
+    tenancy: Tenancy | None = None  # owners and retention, shared by the manager's slot tiers
 
     def presence_books(self, exists: ExistsFn, medium: Medium) -> RemoteTier:
         """The books of a store other instances write: presence asked of it (`exists`) on a

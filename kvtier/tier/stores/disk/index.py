@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.tier.books.residency_log import ResidencyLog
 from kvtier.tier.books.slots import SlotTier, _Entry
+from kvtier.tier.books.tenancy import Tenancy
 from kvtier.tier.keys import BlockKey, Medium
 
 
@@ -22,10 +23,10 @@ class DiskTier(SlotTier):
 
     def __init__(self, num_slots: int, policy: str = "lru",
                  unusable_at_start: Mapping[str, int] | None = None,
-                 log: ResidencyLog | None = None) -> None:
+                 log: ResidencyLog | None = None, tenancy: Tenancy | None = None) -> None:
         """`unusable_at_start`: blocks the file held that this process cannot serve, by
         reason (another fingerprint, a header that does not decode): counted as misses."""
-        super().__init__(num_slots, policy, log)
+        super().__init__(num_slots, policy, log, tenancy)
         self.unusable_at_start: Counter[str] = Counter(unusable_at_start or {})
 
     local = True  # its index is the truth: no one else writes the file
@@ -60,5 +61,6 @@ class DiskTier(SlotTier):
             taken.add(slot)
             self._entries[key] = _Entry(slot, tuple(tokens))
             self.policy.insert(key)
+            self.tenancy.entered(self.medium, [key])  # its owner and retention, if saved
         self._free = deque(s for s in self._free if s not in taken)
         return rejected

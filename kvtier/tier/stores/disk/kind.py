@@ -50,7 +50,7 @@ class DiskKind:
         from kvtier.tier.stores.disk.open import read_disk_index
 
         index = read_disk_index(site.config, site.slot_bytes, site.encoding, site.namespace,
-                                site.block_size, site.changes)
+                                site.block_size, site.changes, site.tenancy)
         return index, self._read_gbps(site)
 
     def open_bytes(self, site: StoreSite) -> DiskBlocks:
@@ -62,7 +62,7 @@ class DiskKind:
         from kvtier.tier.stores.disk.open import open_disk
 
         store, index = open_disk(site.config, site.slot_bytes, site.encoding, site.namespace,
-                                 site.block_size, site.changes)
+                                 site.block_size, site.changes, site.tenancy)
         site.undo.callback(store.close)
         return DiskBlocks(store, site.config.disk_kv_max_gbps), index
 

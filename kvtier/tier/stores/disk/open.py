@@ -14,6 +14,7 @@ from collections import Counter
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.residency_log import ResidencyLog
+from kvtier.tier.books.tenancy import Tenancy
 from kvtier.tier.config import GIB, TierConfig
 from kvtier.tier.io.block_format import BlockHeader, max_header_nbytes
 from kvtier.tier.jobs import Reason
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def open_disk(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
-              block_size: int, residency: ResidencyLog | None = None
-              ) -> tuple[DiskStore, DiskTier]:
+              block_size: int, residency: ResidencyLog | None = None,
+              tenancy: Tenancy | None = None) -> tuple[DiskStore, DiskTier]:
     """The slot file, and its index rebuilt from the blocks a previous process left there
     (of `slot_bytes` and `encoding`, the host rows'; other blocks are invalidated)."""
     num_slots, header = disk_geometry(config, slot_bytes, block_size)
@@ -34,7 +35,7 @@ def open_disk(config: TierConfig, slot_bytes: int, encoding: str, namespace: byt
         unusable: Counter[str] = Counter()
         found = store.scan(unusable)
         tier, rejected = _adopt(config, found, unusable, num_slots, namespace, slot_bytes,
-                                encoding, residency)
+                                encoding, residency, tenancy)
         for slot in rejected:
             store.invalidate(slot)
     except BaseException:
@@ -47,15 +48,17 @@ def open_disk(config: TierConfig, slot_bytes: int, encoding: str, namespace: byt
 
 
 def read_disk_index(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
-                    block_size: int, residency: ResidencyLog | None = None) -> DiskTier:
+                    block_size: int, residency: ResidencyLog | None = None,
+                    tenancy: Tenancy | None = None) -> DiskTier:
     """The disk tier's index from its file, read only: for the process that keeps the index
     while another owns the file (`open_disk` there adopts, and invalidates, the same slots).
-    `residency`: where the index tells its residency changes (None: nowhere)."""
+    `residency`: where the index tells its residency changes (None: nowhere); `tenancy`:
+    the owners and retention its blocks get back (a previous process's, saved)."""
     num_slots, header = disk_geometry(config, slot_bytes, block_size)
     unusable: Counter[str] = Counter()
     found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header, unusable)
     return _adopt(config, found, unusable, num_slots, namespace, slot_bytes, encoding,
-                  residency)[0]
+                  residency, tenancy)[0]
 
 
 def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple[int, int]:
@@ -72,7 +75,8 @@ def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple
 
 def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
            unusable: Counter[str], num_slots: int, namespace: bytes, slot_bytes: int,
-           encoding: str, residency: ResidencyLog | None = None) -> tuple[DiskTier, list[int]]:
+           encoding: str, residency: ResidencyLog | None = None,
+           tenancy: Tenancy | None = None) -> tuple[DiskTier, list[int]]:
     """An index of the blocks of this namespace and shape; the slots it could not take.
     Blocks of another fingerprint (the weights changed, say) or shape are counted."""
     ours = []
@@ -83,7 +87,7 @@ def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
             unusable[Reason.SIZE.value] += 1
         else:
             ours.append((slot, h.key, h.tokens))
-    tier = DiskTier(num_slots, config.eviction_policy, unusable, residency)
+    tier = DiskTier(num_slots, config.eviction_policy, unusable, residency, tenancy)
     if unusable:
         log.warning("kvtier: disk tier %s holds blocks this process will not serve (%s): "
                     "written under another model, configuration or format, or damaged",

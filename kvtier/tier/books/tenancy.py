@@ -1,0 +1,251 @@
+"""Who owns each block below the device, what each tenant may keep in each tier, and which
+blocks a client asked to keep until a deadline (retention).
+
+A tenant is a name the client gives with a block's store (vLLM's `cache_salt`, kvtier
+serve's API key or salt; "" for none). The slot tiers (host, disk) tell the tenancy when a
+block enters or leaves them, so it counts, per tenant and tier, the blocks held and
+retained, and the evictions. Quotas are per tenant and tier, in blocks: a tenant over its
+quota loses blocks first when a tier evicts (`over`), and a retention that would put a
+tenant's retained blocks over it is refused. A retained block is never evicted before its
+deadline (the host may let it go only where a tier below keeps it); an expired one is an
+ordinary block again. Retention deadlines are wall-clock, so they survive a restart
+(`RetentionFile`).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.tier.books.retention_file import RetentionFile
+from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.report import TenantCounts
+
+OTHER = "other"  # the label of the tenants past the label cap
+DEFAULT_TENANT = "default"  # the label of blocks stored without a tenant
+
+
+class Refusal(str, enum.Enum):
+    """Why a retention was not granted: a bounded set, each value a metric label."""
+
+    DISABLED = "disabled"  # kv_retention_max_s is 0
+    OVER_MAX = "over_max"  # longer than kv_retention_max_s
+    QUOTA = "quota"  # the tenant's retained blocks would exceed its quota in a tier
+    NOT_STORED = "not_stored"  # none of the prefix's blocks is held below the device
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a retention request got: `seconds` granted, or the reason it was refused."""
+
+    seconds: float = 0.0
+    refused: Refusal | None = None
+    blocks: int = 0  # blocks the grant covers
+
+    def __str__(self) -> str:  # what a response carries: "3600" or "refused:quota"
+        return f"refused:{self.refused.value}" if self.refused else f"{self.seconds:g}"
+
+    @property
+    def value(self) -> float | str:
+        """The response's `kvtier_retention_s`: seconds granted, or "refused:<reason>"."""
+        return str(self) if self.refused else self.seconds
+
+
+@dataclass
+class _Claim:
+    """A block's owner, its retention deadline (0: none), and the tiers holding it."""
+
+    tenant: str
+    until: float = 0.0
+    media: set[Medium] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Blocks each tenant may hold per tier (medium value -> blocks); a tier absent from a
+    tenant's map has no quota for it."""
+
+    default: Mapping[str, int] = field(default_factory=dict)
+    named: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+
+    def of(self, tenant: str, medium: Medium) -> int | None:
+        return self.named.get(tenant, self.default).get(medium.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.default) or bool(self.named)
+
+
+class Tenancy:
+    """Owners, retention deadlines and per-tenant counts of every slot tier that shares it."""
+
+    def __init__(self, quotas: Quotas | None = None, max_retention_s: float = 0.0,
+                 file: RetentionFile | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`file`: where retention is kept across restarts (a local tier's directory): the
+        deadlines a previous process saved there come back to the blocks a tier adopts."""
+        self.quotas = quotas or Quotas()
+        self.max_retention_s = max_retention_s
+        self.clock = clock
+        self.file = file
+        self._claims: dict[BlockKey, _Claim] = {}
+        self._deadlines: list[tuple[float, BlockKey]] = []  # a heap, checked lazily
+        saved = file.load() if file is not None else {}
+        self._saved = {k: v for k, v in saved.items() if v[1] > clock()}
+        self.counts: dict[str, TenantCounts] = {}
+
+    # -- what the tiers tell ------------------------------------------------------------
+
+    def entered(self, medium: Medium, keys: Iterable[BlockKey], tenant: str = "") -> None:
+        """`keys` now have a slot on `medium`; a key new to every tier is `tenant`'s."""
+        for key in keys:
+            claim = self._claims.get(key)
+            if claim is None:
+                owner, until = self._saved.pop(key, (tenant, 0.0))
+                claim = self._claims[key] = _Claim(owner)
+                if until > self.clock():
+                    claim.until = until
+                    heapq.heappush(self._deadlines, (until, key))
+            claim.media.add(medium)
+            counts = self._of(claim.tenant)
+            counts.held[medium.value] += 1
+            if claim.until:
+                counts.retained[medium.value] += 1
+
+    def left(self, medium: Medium, keys: Iterable[BlockKey], evicted: bool = False) -> None:
+        """`keys` lost their slot on `medium` (`evicted`: to make room, counted so)."""
+        for key in keys:
+            claim = self._claims.get(key)
+            if claim is None or medium not in claim.media:
+                continue
+            claim.media.discard(medium)
+            counts = self._of(claim.tenant)
+            counts.held[medium.value] -= 1
+            if claim.until:
+                counts.retained[medium.value] -= 1
+            if evicted:
+                counts.evictions[medium.value] += 1
+            if not claim.media:
+                del self._claims[key]
+
+    def hit(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks loaded from host for a request: a hit for each block's owner."""
+        for key in keys:
+            claim = self._claims.get(key)
+            if claim is not None:
+                self._of(claim.tenant).hits += 1
+
+    # -- what eviction asks -------------------------------------------------------------
+
+    def owner(self, key: BlockKey) -> str:
+        claim = self._claims.get(key)
+        return claim.tenant if claim is not None else ""
+
+    def retained(self, key: BlockKey) -> bool:
+        """Whether `key` is pinned by an unexpired retention."""
+        self.expire()
+        claim = self._claims.get(key)
+        return claim is not None and claim.until > 0.0
+
+    @property
+    def any_retained(self) -> bool:
+        self.expire()
+        return bool(self._deadlines)
+
+    def over(self, medium: Medium, tenant: str, taken: int = 0) -> bool:
+        """Whether `tenant` holds more than its quota on `medium`, `taken` blocks aside."""
+        quota = self.quotas.of(tenant, medium)
+        counts = self.counts.get(tenant)
+        held = counts.held[medium.value] if counts is not None else 0
+        return quota is not None and held - taken > quota
+
+    # -- retention ----------------------------------------------------------------------
+
+    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
+        """Keep `keys` (those a tier holds) until `seconds` from now, for `tenant`: granted
+        whole or refused whole, with the reason (`seconds` is checked by the caller: finite,
+        > 0)."""
+        assert math.isfinite(seconds) and seconds > 0, "retention seconds are checked first"
+        counts = self._of(tenant)
+        refusal = self._refusal(keys, tenant, seconds)
+        if refusal is not None:
+            counts.retention_refused[refusal.value] += 1
+            return Grant(refused=refusal)
+        until = self.clock() + seconds
+        held = [k for k in dict.fromkeys(keys) if k in self._claims]
+        for key in held:
+            claim = self._claims[key]
+            if not claim.until:
+                self._of(claim.tenant).retained.update(m.value for m in claim.media)
+            if until > claim.until:
+                claim.until = until
+                heapq.heappush(self._deadlines, (until, key))
+        counts.retention_granted += 1
+        self.save()
+        return Grant(seconds, blocks=len(held))
+
+    def _refusal(self, keys: Sequence[BlockKey], tenant: str, seconds: float
+                 ) -> Refusal | None:
+        if self.max_retention_s <= 0:
+            return Refusal.DISABLED
+        if seconds > self.max_retention_s:
+            return Refusal.OVER_MAX
+        held = [self._claims[k] for k in dict.fromkeys(keys) if k in self._claims]
+        if not held:
+            return Refusal.NOT_STORED
+        new: Counter[str] = Counter(m.value for c in held if not c.until for m in c.media)
+        counts = self._of(tenant)
+        for medium, n in new.items():
+            quota = self.quotas.of(tenant, Medium(medium))
+            if quota is not None and counts.retained[medium] + n > quota:
+                return Refusal.QUOTA
+        return None
+
+    def expire(self) -> None:
+        """Retentions whose deadline passed end: their blocks are ordinary again."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, key = heapq.heappop(self._deadlines)
+            claim = self._claims.get(key)
+            if claim is not None and claim.until == until:
+                claim.until = 0.0
+                self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
+
+    def save(self) -> None:
+        """Write every unexpired retention of a block a local tier holds to the file (none
+        configured: nothing). Saved deadlines not adopted stay for a later process."""
+        if self.file is None:
+            return
+        self.expire()
+        now = self.clock()
+        kept = {k: v for k, v in self._saved.items() if v[1] > now}
+        kept.update((k, (c.tenant, c.until)) for k, c in self._claims.items()
+                    if c.until and any(m != Medium.HOST for m in c.media))
+        self.file.save(kept)
+
+    # -- report -------------------------------------------------------------------------
+
+    def report(self, max_labels: int) -> dict[str, TenantCounts]:
+        """The counts by tenant label: the `max_labels` tenants holding most blocks by name
+        (no tenant as "default"), the rest folded into "other"."""
+        self.expire()
+        ranked = sorted(self.counts.items(), key=lambda kv: (-sum(kv[1].held.values()),
+                                                             kv[0]))
+        out: dict[str, TenantCounts] = {}
+        for i, (tenant, counts) in enumerate(ranked):
+            label = (tenant or DEFAULT_TENANT) if i < max_labels else OTHER
+            out.setdefault(label, TenantCounts()).add(counts)
+        return out
+
+    def _of(self, tenant: str) -> TenantCounts:
+        counts = self.counts.get(tenant)
+        if counts is None:
+            counts = self.counts[tenant] = TenantCounts()
+        return counts
