@@ -64,6 +64,8 @@ class RequestOutput:
     restore_bytes: int = 0
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
     error: str | None = None  # finish_reason "error": why serving this request failed
+    # the retention it asked for: seconds granted, "refused:<reason>", or None (none asked)
+    retention: float | str | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -93,7 +95,7 @@ class RequestOutput:
             num_restored_tokens=seq.num_restored_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
             num_recomputed_tokens=seq.num_recomputed_tokens, restore_bytes=seq.restore_bytes,
-            lossy=seq.lossy,
+            lossy=seq.lossy, retention=seq.retention,
         )
 
 

@@ -167,6 +167,32 @@ RESIDENCY_CLASSES = (Residency.RESIDENT, Residency.HOST, Residency.DISK, Residen
                      Residency.RECOMPUTED, Residency.NEW)  # the order reports list them in
 
 
+MAX_EXPECT_RETURN_S = 86400.0  # a session expected back later than a day is not staged
+
+
+@dataclass(frozen=True)
+class KvHints:
+    """What a client asks of its request's KV beyond this request: whose it is (quotas and
+    counters), how long to keep it (retention), and when it comes back (prefetch)."""
+
+    tenant: str = ""  # "" counts as the default tenant
+    retention_s: float | None = None  # keep the prefix this long, if granted
+    expect_return_s: float | None = None  # the session returns after about this long
+
+    def validate(self) -> None:
+        """RequestError for a value no client means: negative, zero, NaN or infinite."""
+        for name in ("retention_s", "expect_return_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or
+                                      not isinstance(value, (int, float)) or
+                                      not math.isfinite(value) or value <= 0):
+                raise RequestError(f"kv_{name}={value!r} must be a finite number of seconds "
+                                   "> 0 (or left out)")
+        if self.expect_return_s is not None and self.expect_return_s > MAX_EXPECT_RETURN_S:
+            raise RequestError(f"kv_expect_return_s={self.expect_return_s:g} is past the "
+                               f"longest hint kept ({MAX_EXPECT_RETURN_S:g} s)")
+
+
 @dataclass
 class Sequence:
     """One request: its tokens and how many of them already have KV in the cache."""
@@ -199,6 +225,9 @@ class Sequence:
     loading: int | None = None  # tier job id of the host->device load this sequence waits for
     swapped: SwapState | None = None
     lossy: bool = False  # restored from 8-bit blocks (kv_offload_dtype): not bit-exact
+    hints: KvHints = field(default_factory=KvHints)
+    # what the retention asked in `hints` got, set at finish: seconds, or "refused:<reason>"
+    retention: float | str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
 from kvtier.engine.batch import SchedulerOutput
 from kvtier.engine.faults import EngineFaults
+from kvtier.engine.returns import ExpectedReturns
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier, TierClient
 from kvtier.errors import RequestError
@@ -27,11 +28,12 @@ from kvtier.model.loader import LoadedModel, load_model
 from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
-from kvtier.sequence import Phase, SamplingParams, Sequence
-from kvtier.tier import BlockKey, Fingerprint, hash_blocks
+from kvtier.sequence import KvHints, Phase, SamplingParams, Sequence
+from kvtier.tier import BlockKey, Fingerprint, Prefetch, hash_blocks
 
 PromptType = str | list[int] | dict[str, Any]
 NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
+STAGE_RETRY_S = 0.05  # a staged return whose presence answer is pending is asked again
 log = logging.getLogger(__name__)
 
 
@@ -84,6 +86,7 @@ class LLMEngine:
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
         self._namespaces: dict[str, BlockKey] = {}
         self._ids = itertools.count()
+        self._returns = ExpectedReturns()  # sessions due back (kv_expect_return_s)
         self.finished_outputs: list[RequestOutput] = []
         self._streaming: set[str] = set()
         self.stream_deltas: list[StreamDelta] = []
@@ -108,11 +111,15 @@ class LLMEngine:
         cache_salt: str = "",
         stream: bool = False,
         strict_length: bool = False,
+        hints: KvHints | None = None,
     ) -> str:
         """Validate and queue one request; returns its id. With `stream`, every new token
-        also lands in `stream_deltas` (drained by the caller, e.g. the server's loop)."""
+        also lands in `stream_deltas` (drained by the caller, e.g. the server's loop).
+        `hints`: its tenant, the retention it asks for, when its session comes back."""
         params = params if params is not None else SamplingParams()
         params.validate()
+        hints = hints if hints is not None else KvHints()
+        hints.validate()
         text, token_ids = self._checked_prompt(prompt)
         if strict_length and len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
@@ -120,7 +127,7 @@ class LLMEngine:
                 f"exceeds max_model_len={self.max_model_len}; lower max_tokens"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text)
+        seq = Sequence(rid, token_ids, params, cache_salt=cache_salt, prompt=text, hints=hints)
         self.faults.admitted(params)
         self.scheduler.add(seq, self.namespace(cache_salt))
         if stream:
@@ -134,13 +141,26 @@ class LLMEngine:
         where. RequestError for a prompt no request could send."""
         _, token_ids = self._checked_prompt(prompt)
         self.scheduler.apply(self.tier.reap())  # what landed since the last step counts
+        found = self._stage(token_ids, cache_salt, wait=True)
+        return {"prompt_tokens": len(token_ids),
+                "blocks": len(token_ids) // self.scheduler.block_size,
+                "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
+                "from": [m.value for m in found.media]}
+
+    def _stage(self, token_ids: Seq[int], cache_salt: str, wait: bool) -> Prefetch:
+        """Bring the full blocks of `token_ids` (under `cache_salt`) up into host now."""
         bs = self.scheduler.block_size
         keys = hash_blocks(self.namespace(cache_salt), token_ids, bs)
         chunks = [token_ids[i * bs:(i + 1) * bs] for i in range(len(keys))]
-        found = self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks)
-        return {"prompt_tokens": len(token_ids), "blocks": len(keys),
-                "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
-                "from": [m.value for m in found.media]}
+        return self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks, wait)
+
+    def _stage_returns(self) -> None:
+        """Sessions due back soon (`kv_expect_return_s`) are staged up into host now (a
+        shared store's answer not in yet: asked again next step)."""
+        now = time.monotonic()
+        for hint in self._returns.due(now):
+            if self._stage(hint.token_ids, hint.salt, wait=False).pending:
+                self._returns.add(now, STAGE_RETRY_S, hint.salt, list(hint.token_ids))
 
     def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, refused (RequestError) where no request could
@@ -182,6 +202,8 @@ class LLMEngine:
         tier, scheduler = self.tier, self.scheduler
         self.faults.before_step()
         scheduler.apply(tier.reap())
+        if self._returns:
+            self._stage_returns()
         batch = scheduler.schedule()
         tier.submit()
         if not batch:
@@ -264,6 +286,9 @@ class LLMEngine:
                 self.stream_deltas.append(StreamDelta.of(seq, finished))
         self.scheduler.finish(done)
         for seq in done:
+            if seq.hints.expect_return_s is not None:
+                self._returns.add(time.monotonic(), seq.hints.expect_return_s, seq.cache_salt,
+                                  seq.token_ids)
             self.runner.sampler.forget(seq.request_id)
             self._streaming.discard(seq.request_id)
         return [RequestOutput.of(seq) for seq in done] + self._fail(failed)

@@ -323,8 +323,12 @@ class Scheduler:
             self.namespaces.pop(seq.request_id, None)
 
     def _write_through(self, seq: Sequence) -> None:
+        """Under `write_through`, or for a request that asked for retention, its full blocks
+        go down to host (its tenant's), and the retention is asked for them."""
         table = self.kv.tables.get(seq.request_id)
-        if table is None or self.policy.kv_write_policy is not WritePolicy.WRITE_THROUGH:
+        hints = seq.hints
+        if table is None or (self.policy.kv_write_policy is not WritePolicy.WRITE_THROUGH
+                             and hints.retention_s is None):
             return
         bs = self.block_size
         full = min(len(table.keys), seq.num_computed_tokens // bs)
@@ -332,7 +336,10 @@ class Scheduler:
         if cap is not None:
             full = min(full, cap // bs)
         tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]
-        self.tier.store(table.block_ids[:full], table.keys[:full], tokens)
+        self.tier.store(table.block_ids[:full], table.keys[:full], tokens, tenant=hints.tenant)
+        if hints.retention_s is not None:
+            seq.retention = self.tier.retain(table.keys[:full], hints.tenant,
+                                             hints.retention_s).value
 
     def abort(self, request_id: str) -> Sequence | None:
         fetching = self.fetching.pop(request_id, None)

@@ -26,9 +26,11 @@ from kvtier.tier import (
     BlockKey,
     Event,
     Faults,
+    Grant,
     KVLayout,
     Match,
     Prefetch,
+    Refusal,
     RequestOutcome,
     StoreDone,
     Tier,
@@ -101,14 +103,14 @@ class TierClient:
         return self.manager.match(request_id, keys, tokens, preempted, compute_ahead)
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]]) -> Prefetch:
-        """Bring this prefix up into host now (waiting for a shared store's presence
-        answer, at most its wait)."""
+                 tokens: Sequence[Sequence[int]], wait: bool = True) -> Prefetch:
+        """Bring this prefix up into host now (with `wait`, waiting for a shared store's
+        presence answer, at most its wait; without, `pending` says to ask again)."""
         found = self.manager.prefetch(request_id, keys, tokens)
-        if found is None:
+        if found is None and wait:
             self.manager.wait_presence()
             found = self.manager.prefetch(request_id, keys, tokens)
-        return found or Prefetch()
+        return found or Prefetch(pending=wait is False)
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool, swap_in: bool) -> int | None:
@@ -131,13 +133,18 @@ class TierClient:
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], demote: bool = False,
-              evict_first: bool = False) -> bool:
-        """Copy device blocks the host lacks; False if the host could not make room."""
-        blocks = self.manager.store(block_ids, keys, tokens, demote, evict_first)
+              evict_first: bool = False, tenant: str = "") -> bool:
+        """Copy device blocks the host lacks (new ones are `tenant`'s); False if the host
+        could not make room."""
+        blocks = self.manager.store(block_ids, keys, tokens, demote, evict_first, tenant)
         if blocks is None:
             return False
         self.pool.touch(blocks)  # the device bytes must outlive the copy
         return True
+
+    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
+        """Keep these blocks below the device until `seconds` from now, if granted."""
+        return self.manager.retain(keys, tenant, seconds)
 
     # -- the two pool policies -----------------------------------------------------------
 
@@ -297,7 +304,7 @@ class NullTier:
         return NO_MATCH
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]]) -> Prefetch:
+                 tokens: Sequence[Sequence[int]], wait: bool = True) -> Prefetch:
         return Prefetch()  # no tier: nothing is kept anywhere to bring up
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
@@ -318,8 +325,11 @@ class NullTier:
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], demote: bool = False,
-              evict_first: bool = False) -> bool:
+              evict_first: bool = False, tenant: str = "") -> bool:
         return False
+
+    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
+        return Grant(refused=Refusal.DISABLED)  # no tier (kv_offloading_size=0)
 
     def demote_idle(self, now: float) -> None:
         pass

@@ -29,7 +29,7 @@ from typing import Any
 from kvtier.engine.llm_engine import LLMEngine, PromptType
 from kvtier.errors import KvtierError
 from kvtier.output import RequestOutput, StreamDelta
-from kvtier.sequence import SamplingParams
+from kvtier.sequence import KvHints, SamplingParams
 
 IDLE_WAIT_S = 0.05  # an idle engine still steps this often (idle demotion, transfers)
 MAX_STEP_FAILURES = 3  # failing steps in a row before the engine is declared dead
@@ -118,8 +118,8 @@ class EngineLoop:
         self._wake.set()
         return future
 
-    async def submit(self, prompt: PromptType, params: SamplingParams, cache_salt: str = ""
-                     ) -> RequestStream:
+    async def submit(self, prompt: PromptType, params: SamplingParams, cache_salt: str = "",
+                     hints: KvHints | None = None) -> RequestStream:
         """Queue a request; raises the engine's validation error (a KvtierError) at once, or
         RequestFailed (503) while the server drains or after the engine died."""
         if self._stopping or self.draining:
@@ -132,7 +132,7 @@ class EngineLoop:
             try:
                 return self.engine.add_request(prompt, params, request_id=rid,
                                                cache_salt=cache_salt, stream=True,
-                                               strict_length=True)
+                                               strict_length=True, hints=hints)
             except BaseException:
                 del self._streams[rid]
                 raise

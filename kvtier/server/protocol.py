@@ -11,9 +11,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.errors import RequestError
-from kvtier.sequence import MAX_LOGPROBS, SamplingParams
+from kvtier.sequence import MAX_LOGPROBS, KvHints, SamplingParams
 
 MAX_TOKENS_DEFAULT = 256
+DAY_S = 86400.0  # OpenAI's "24h" prompt_cache_retention
 MAX_CACHE_SALT_CHARS = 256
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 # Parameters of OpenAI's or vLLM's API that kvtier does not implement, with the value that
@@ -49,6 +50,22 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's extra
     ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens
     return_token_ids: bool = False  # vLLM's extra: the generated ids in the final choice
+    # OpenAI's prompt caching: who the cache is for (a tenant's name for quotas and counters
+    # here; it changes no namespace) and how long to keep it ("in_memory": as the tier sees
+    # fit; "24h": retained a day)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    kv_retention_s: float | None = Field(None, gt=0)  # kvtier's: retain for N seconds
+    kv_expect_return_s: float | None = Field(None, gt=0)  # the session is back in N seconds
+
+    def hints(self, tenant: str) -> KvHints:
+        """What the request asks of its KV; `tenant`: the API key's ("" without keys), else
+        the cache_salt or prompt_cache_key names it."""
+        if self.kv_retention_s is not None and self.prompt_cache_retention == "24h":
+            raise RequestError("give one of kv_retention_s and prompt_cache_retention")
+        retention = self.kv_retention_s if self.prompt_cache_retention != "24h" else DAY_S
+        who = tenant or self.cache_salt or self.prompt_cache_key or ""
+        return KvHints(who, retention, self.kv_expect_return_s)
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams, or a RequestError naming the bad field."""

@@ -38,7 +38,8 @@ class Responder:
         try:
             params = req.sampling(max_tokens)
             stream = await loop.submit(prompt, params,
-                                       cache_salt=tenant_salt(tenant, req.cache_salt))
+                                       cache_salt=tenant_salt(tenant, req.cache_salt),
+                                       hints=req.hints(tenant))
         except RequestFailed as e:
             raise ApiError(e.status, str(e), kind="server_error") from None
         except KvtierError as e:
@@ -100,7 +101,8 @@ class Responder:
                 if isinstance(event, RequestOutput):
                     if len(event.text) > sent:
                         yield shape.chunk(event.text[sent:], None)
-                    yield shape.chunk("", event.finish_reason, event.token_ids)
+                    yield shape.chunk("", event.finish_reason, event.token_ids,
+                                      event.retention)
                     if usage:
                         yield shape.usage_chunk(event)
                     yield b"data: [DONE]\n\n"

@@ -38,7 +38,8 @@ class Shape:
             obj = "text_completion"
         if self.with_token_ids:
             choice["token_ids"] = out.token_ids
-        return {**self._base(obj), "choices": [choice], "usage": usage_of(out)}
+        return {**self._base(obj), "choices": [choice], "usage": usage_of(out),
+                **retention_of(out.retention)}
 
     def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         """OpenAI's logprobs object: per generated token its log-probability under the
@@ -64,7 +65,10 @@ class Shape:
                 "top_logprobs": [dict(top) for _, _, top in steps], "text_offset": offsets}
 
     def chunk(self, text: str, finish_reason: str | None,
-              token_ids: list[int] | None = None) -> bytes:
+              token_ids: list[int] | None = None, retention: float | str | None = None
+              ) -> bytes:
+        """One SSE event; the closing one carries the output's ids (when asked) and what a
+        retention asked for got."""
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             if self.first:
@@ -77,6 +81,7 @@ class Shape:
             body = {**self._base("text_completion"), "choices": [choice]}
         if token_ids is not None and self.with_token_ids:
             choice["token_ids"] = token_ids  # the whole output's ids, on the closing chunk
+        body.update(retention_of(retention))
         self.first = False
         return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -84,6 +89,12 @@ class Shape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = {**self._base(obj), "choices": [], "usage": usage_of(out)}
         return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def retention_of(retention: float | str | None) -> dict[str, Any]:
+    """`kvtier_retention_s`: the seconds a retention got, or "refused:<reason>" (nothing
+    when none was asked)."""
+    return {} if retention is None else {"kvtier_retention_s": retention}
 
 
 def usage_of(out: RequestOutput) -> dict[str, Any]:

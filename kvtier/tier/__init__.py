@@ -17,6 +17,7 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   Faults         the one fault seam, given to build() (tests)
   Decline        why tokens found in the tier were recomputed (Match.declined_by)
   Residency      where a request's state lived, one enum from here to the HTTP header
+  Grant, Refusal TierManager.retain(): a retention granted, or refused with the reason
   ResidencyChange, ChangeKind   TierManager.take_residency_changes(): a block became
                  resident on host or disk, or stopped being (a manager built to keep them)
   Job, Result, LoadDone, FetchDone, StoreDone   what crosses between the two sides
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
+from kvtier.tier.books.tenancy import Grant, Refusal
 from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, check_fits, host_slot_count
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
@@ -41,7 +43,7 @@ from kvtier.tier.layout import KVLayout, heads_first_coded_shape
 from kvtier.tier.load_policy import Decline
 from kvtier.tier.match import Prefetch, declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
-from kvtier.tier.report import BelowReport, TierStats, TransferCounts
+from kvtier.tier.report import BelowReport, TenantCounts, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ __all__ = [
     "Faults",
     "FetchDone",
     "Fingerprint",
+    "Grant",
     "Job",
     "KVLayout",
     "LoadDone",
@@ -82,12 +85,14 @@ __all__ = [
     "Planner",
     "Prefetch",
     "Reason",
+    "Refusal",
     "RequestOutcome",
     "Residency",
     "ResidencyChange",
     "Result",
     "SchedulerTier",
     "StoreDone",
+    "TenantCounts",
     "Tier",
     "TierConfig",
     "TierManager",

@@ -102,7 +102,7 @@ class SlotTier:
         evicted: list[BlockKey] = []
         shortfall = len(new) - len(self._free)
         if shortfall > 0:
-            victims = self._victims(shortfall, set(keys), spill)
+            victims = self._victims(shortfall, set(keys), tenant, spill)
             if victims is None:
                 return None
             for key in victims:
@@ -121,11 +121,12 @@ class SlotTier:
         self.tenancy.entered(self.medium, new, tenant)
         return PrepareStoreResult(list(new), slots, evicted)
 
-    def _victims(self, n: int, batch: set[BlockKey], spill: Spill | None
+    def _victims(self, n: int, batch: set[BlockKey], tenant: str, spill: Spill | None
                  ) -> list[BlockKey] | None:
         """`n` keys to evict, or None (nothing changed) if fewer can go. In order: blocks of
         tenants over their quota, then any unretained block in policy order, then (with
-        `spill`) retained blocks a tier below keeps."""
+        `spill`) `tenant`'s own retained blocks that a tier below keeps: one tenant's store
+        never pushes another's retained blocks off this tier."""
         unpinned = len(self._entries) - len(self._storing) - len(self._pins)
         if n > unpinned:
             return None
@@ -135,8 +136,8 @@ class SlotTier:
 
         def kept(k: BlockKey) -> bool:
             return self._pinned(k) or k in batch or tenancy.retained(k)
-        spilled = (lambda k: self._pinned(k) or k in batch
-                   or (tenancy.retained(k) and not spill(k))) if spill else kept
+        spilled = (lambda k: self._pinned(k) or k in batch or (tenancy.retained(k) and (
+            tenancy.owner(k) != tenant or not spill(k)))) if spill else kept
         if sum(1 for k in self._entries if not spilled(k)) < n:
             return None
         victims: list[BlockKey] = []

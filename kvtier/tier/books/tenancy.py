@@ -18,7 +18,7 @@ import enum
 import heapq
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +28,7 @@ from kvtier.tier.report import TenantCounts
 
 OTHER = "other"  # the label of the tenants past the label cap
 DEFAULT_TENANT = "default"  # the label of blocks stored without a tenant
+MAX_FORMER = 1 << 16  # owners remembered of blocks no tier holds any more
 
 
 class Refusal(str, enum.Enum):
@@ -100,6 +101,9 @@ class Tenancy:
         saved = file.load() if file is not None else {}
         self._saved = {k: v for k, v in saved.items() if v[1] > clock()}
         self.counts: dict[str, TenantCounts] = {}
+        # owners of blocks that left every tier, most recent last: a block stored again
+        # without a tenant (a device block written back on eviction) is its owner's again
+        self._former: OrderedDict[BlockKey, str] = OrderedDict()
 
     # -- what the tiers tell ------------------------------------------------------------
 
@@ -108,7 +112,7 @@ class Tenancy:
         for key in keys:
             claim = self._claims.get(key)
             if claim is None:
-                owner, until = self._saved.pop(key, (tenant, 0.0))
+                owner, until = self._saved.pop(key, (tenant or self._former.pop(key, ""), 0.0))
                 claim = self._claims[key] = _Claim(owner)
                 if until > self.clock():
                     claim.until = until
@@ -134,6 +138,10 @@ class Tenancy:
                 counts.evictions[medium.value] += 1
             if not claim.media:
                 del self._claims[key]
+                if claim.tenant:
+                    self._former[key] = claim.tenant
+                    if len(self._former) > MAX_FORMER:
+                        self._former.popitem(last=False)
 
     def hit(self, keys: Sequence[BlockKey]) -> None:
         """Blocks loaded from host for a request: a hit for each block's owner."""

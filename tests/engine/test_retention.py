@@ -1,0 +1,185 @@
+"""The client steers its KV under kvtier's engine: a retained prefix survives another tenant's
+flood of host and disk, a retention over quota is refused and counted, deadlines expire and
+survive a restart, an expect-return hint stages a session up to host before it returns, and
+bad values are refused. Tokens equal a run without the tier in every case."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.config import EngineConfig
+from kvtier.engine.llm_engine import LLMEngine
+from kvtier.errors import RequestError
+from kvtier.model.loader import LoadedModel
+from kvtier.output import RequestOutput
+from kvtier.sequence import KvHints, SamplingParams
+
+BLOCK_GIB = 8192 / 1024**3  # one block of the tiny model, on host
+BASE = {"num_device_blocks": 48, "batch_invariant": True}
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+SYSTEM = [10 + (i * 13) % 300 for i in range(96)]  # six blocks: the victim's system prompt
+TURN = [*SYSTEM, 5, 6, 7, 8]
+
+
+def tiers(tmp_path: Path, host_blocks: int = 24, **knobs: Any) -> dict[str, Any]:
+    return {**BASE, "kv_offloading_size": host_blocks * BLOCK_GIB, "disk_kv_size": 0.0004,
+            "disk_kv_path": str(tmp_path / "kv"), "disk_kv_read_gbps": 2.0, **knobs}
+
+
+def engine_of(tiny: LoadedModel, **knobs: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_knobs(model=tiny.source, **knobs), loaded=tiny)
+
+
+def ask(engine: LLMEngine, prompt: list[int], salt: str = "", **hints: Any) -> RequestOutput:
+    rid = engine.add_request(prompt, PARAMS, cache_salt=salt,
+                             hints=KvHints(tenant=salt, **hints))
+    out = engine.run_to_completion([rid])[rid]
+    engine.drain()  # its blocks are down on host and disk before the next request
+    return out
+
+
+def flood(engine: LLMEngine, requests: int = 30) -> None:
+    """A noisy tenant's burst of distinct five-block prompts (more than device, host and
+    disk hold together), then the idle demotion `idle_offload_s` makes: nothing is left
+    cached on the device."""
+    for r in range(requests):
+        ask(engine, [(r * 31 + i * 7) % 380 + 1 for i in range(80)], "noisy")
+    engine.demote_cached()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: LoadedModel) -> RequestOutput:
+    engine = engine_of(tiny, **BASE)
+    try:
+        rid = engine.add_request(TURN, PARAMS)
+        return engine.run_to_completion([rid])[rid]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("retained", [True, False])
+def test_a_noisy_tenant_cannot_evict_a_retained_system_prompt(
+        tiny: LoadedModel, tmp_path: Path, reference: RequestOutput, retained: bool) -> None:
+    engine = engine_of(tiny, **tiers(tmp_path))
+    try:
+        first = ask(engine, SYSTEM, "victim", retention_s=3600.0 if retained else None)
+        assert first.retention == (3600.0 if retained else None)
+        flood(engine)
+        out = ask(engine, TURN, "victim")
+        tenants = engine.tier.report().tenants
+    finally:
+        engine.close()
+    assert out.token_ids == reference.token_ids
+    if retained:  # it wakes from host, all six blocks, after the flood
+        assert out.residency == "host" and out.num_restored_tokens == 96
+        assert tenants["victim"].retained["host"] == 6
+        assert tenants["noisy"].evictions["host"] > 0 and tenants["victim"].evictions == {}
+    else:  # the control: the same flood takes it away
+        assert out.residency == "new"
+
+
+def test_a_retention_over_quota_is_refused_counted_and_the_request_succeeds(
+        tiny: LoadedModel, tmp_path: Path, reference: RequestOutput) -> None:
+    engine = engine_of(tiny, **tiers(tmp_path, kv_tenant_quota={"host": 4 * BLOCK_GIB},
+                                     kv_tenant_quotas={"victim": {"host": 8 * BLOCK_GIB}}))
+    try:
+        small = ask(engine, SYSTEM, "small", retention_s=60.0)  # 6 blocks > 4
+        big = ask(engine, SYSTEM, "victim", retention_s=60.0)  # 6 blocks <= its 8
+        over = ask(engine, [*SYSTEM, *TURN[-4:], *range(1, 61)], "victim", retention_s=60.0)
+        again = ask(engine, TURN, "small")
+        tenants = engine.tier.report().tenants
+    finally:
+        engine.close()
+    assert small.retention == "refused:quota" and big.retention == 60.0
+    assert over.retention == "refused:quota"  # 10 blocks, more than its 8
+    assert tenants["small"].retention_refused == {"quota": 1}
+    assert tenants["victim"].retention_refused == {"quota": 1}
+    assert tenants["victim"].retention_granted == 1
+    assert again.token_ids == reference.token_ids and small.finish_reason == "length"
+
+
+def test_an_expired_retention_is_an_ordinary_block_again(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    engine = engine_of(tiny, **tiers(tmp_path))
+    try:
+        assert ask(engine, SYSTEM, "victim", retention_s=0.5).retention == 0.5
+        time.sleep(0.6)
+        flood(engine)
+        out = ask(engine, TURN, "victim")
+    finally:
+        engine.close()
+    assert out.residency == "new"
+
+
+def test_a_restart_from_disk_keeps_unexpired_retention(
+        tiny: LoadedModel, tmp_path: Path, reference: RequestOutput) -> None:
+    knobs = tiers(tmp_path)
+    first = engine_of(tiny, **knobs)
+    try:
+        assert ask(first, SYSTEM, "victim", retention_s=3600.0).retention == 3600.0
+        assert ask(first, [*SYSTEM[:32], 1, 2], "short", retention_s=0.2).retention == 0.2
+    finally:
+        first.close()  # writes the host down and saves the deadlines beside the disk file
+    assert (tmp_path / "kv" / "retention.json").exists()
+    time.sleep(0.3)
+    second = engine_of(tiny, **knobs)
+    try:
+        flood(second)  # the new process's host and disk fill with another tenant's blocks
+        out = ask(second, TURN, "victim")
+        tenants = second.tier.report().tenants
+    finally:
+        second.close()
+    assert out.residency == "disk" and out.token_ids == reference.token_ids
+    assert "short" not in tenants or tenants["short"].retained["disk"] == 0
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_an_expect_return_hint_turns_a_disk_wake_into_a_host_wake(
+        tiny: LoadedModel, tmp_path: Path, reference: RequestOutput, hinted: bool) -> None:
+    # The host holds 12 blocks, the disk many more: the flood pushes the session below host.
+    engine = engine_of(tiny, **tiers(tmp_path, host_blocks=12, disk_kv_size=0.002))
+    try:
+        ask(engine, SYSTEM, "victim", expect_return_s=1.5 if hinted else None)
+        flood(engine, 6)
+        time.sleep(1.0)  # the tool call runs; the hint is due 1 s before the return
+        for _ in range(3):
+            engine.step()  # the idle engine's steps stage what is due
+        engine.drain()
+        out = ask(engine, TURN, "victim")
+    finally:
+        engine.close()
+    assert out.token_ids == reference.token_ids
+    assert out.residency == ("host" if hinted else "disk")
+
+
+@pytest.mark.parametrize("hints, error", [
+    ({"retention_s": -1.0}, "kv_retention_s=-1.0 must be a finite number"),
+    ({"retention_s": float("nan")}, "kv_retention_s=nan"),
+    ({"expect_return_s": float("inf")}, "kv_expect_return_s=inf"),
+    ({"expect_return_s": 10**6}, "past the longest hint"),
+])
+def test_bad_hints_are_refused_by_name(tiny: LoadedModel, hints: dict[str, Any],
+                                       error: str) -> None:
+    engine = engine_of(tiny, **BASE)
+    try:
+        with pytest.raises(RequestError, match=error):
+            engine.add_request(SYSTEM, PARAMS, hints=KvHints(**hints))
+        assert not engine.has_unfinished()
+    finally:
+        engine.close()
+
+
+def test_over_the_maximum_or_without_a_tier_the_retention_is_refused_with_the_reason(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    engine = engine_of(tiny, **tiers(tmp_path, kv_retention_max_s=60.0))
+    off = engine_of(tiny, **BASE)
+    try:
+        assert ask(engine, SYSTEM, "a", retention_s=61.0).retention == "refused:over_max"
+        assert ask(off, SYSTEM, "a", retention_s=5.0).retention == "refused:disabled"
+    finally:
+        engine.close()
+        off.close()

@@ -1,0 +1,166 @@
+"""Tenants in the slot tiers' books: fair eviction under quotas, retention deadlines that pin
+blocks (and let the host spill them to a tier below), refusals by reason, counts per tenant,
+bounded labels, and deadlines kept across a restart."""
+
+from pathlib import Path
+
+import pytest
+from conftest import ks
+
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.policy import POLICIES
+from kvtier.tier.books.retention_file import RetentionFile
+from kvtier.tier.books.tenancy import Grant, Quotas, Refusal, Tenancy
+from kvtier.tier.keys import BlockKey
+from kvtier.tier.stores.disk.index import DiskTier
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def put(tier: HostTier | DiskTier, tenant: str, *ids: int, spill=None) -> list[BlockKey]:
+    """Store `ids` for `tenant`; the keys evicted to make room."""
+    result = tier.prepare_store(ks(*ids), [[i] for i in ids], tenant, spill)
+    assert result is not None, f"no room for {ids}"
+    tier.complete_store(result.keys, True)
+    return result.evicted
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_a_tenant_over_its_quota_loses_blocks_before_one_under_it(policy: str) -> None:
+    tenancy = Tenancy(Quotas(default={"host": 2}))
+    host = HostTier(6, policy, tenancy=tenancy)
+    put(host, "victim", 1, 2)  # the oldest blocks, within quota
+    put(host, "noisy", 10, 11, 12, 13)  # full; noisy holds 4 > 2
+    evicted = put(host, "noisy", 14, 15)
+    assert set(evicted) <= set(ks(10, 11, 12, 13)), "the victim's older blocks stay"
+    assert host.lookup(ks(1, 2)) == 2
+    counts = tenancy.counts
+    assert counts["victim"].held["host"] == 2 and counts["noisy"].held["host"] == 4
+    assert counts["noisy"].evictions["host"] == 2 and counts["victim"].evictions["host"] == 0
+    host.check_invariants()
+
+
+def test_without_quotas_eviction_is_the_plain_policy() -> None:
+    tenancy = Tenancy()
+    host = HostTier(2, "lru", tenancy=tenancy)
+    put(host, "a", 1)
+    put(host, "b", 2)
+    assert put(host, "b", 3) == ks(1)  # least recent first, whoever owns it
+
+
+def test_a_retained_block_is_never_evicted_before_its_deadline(policy: str) -> None:
+    clock = Clock()
+    tenancy = Tenancy(max_retention_s=3600, clock=clock)
+    host = HostTier(3, policy, tenancy=tenancy)
+    put(host, "victim", 1)
+    grant = tenancy.retain(ks(1), "victim", 60)
+    assert grant == Grant(60, blocks=1) and str(grant) == "60" and grant.value == 60
+    put(host, "noisy", 2, 3)
+    for i in range(4, 10):  # a flood: the retained block stays
+        put(host, "noisy", i)
+    assert host.lookup(ks(1)) == 1
+    assert tenancy.counts["victim"].retained["host"] == 1
+    # Full of the retained block and a batch of two: no room, nothing changes.
+    assert host.prepare_store(ks(20, 21, 22), [[20], [21], [22]], "noisy") is None
+    clock.now += 61  # expired: an ordinary block again
+    assert not tenancy.retained(ks(1)[0])
+    assert tenancy.counts["victim"].retained["host"] == 0
+    assert ks(1)[0] in put(host, "noisy", 30, 31)
+    host.check_invariants()
+
+
+def test_the_host_spills_a_retained_block_only_where_a_tier_below_keeps_it() -> None:
+    tenancy = Tenancy(max_retention_s=3600)
+    host = HostTier(2, "lru", tenancy=tenancy)
+    put(host, "a", 1, 2)
+    assert tenancy.retain(ks(1, 2), "a", 600).blocks == 2
+    below = {ks(1)[0]}
+    assert put(host, "b", 3, spill=below.__contains__) == ks(1)  # kept on disk: let go
+    assert put(host, "b", 4, spill=below.__contains__) == ks(3)  # unretained first
+    assert host.prepare_store(ks(5, 6), [[5], [6]], "b", below.__contains__) is None  # not 2
+    assert tenancy.retained(ks(2)[0])
+
+
+def test_retention_refusals_say_why_and_are_counted() -> None:
+    tenancy = Tenancy(Quotas(default={"host": 2}, named={"big": {"host": 10}}),
+                      max_retention_s=100)
+    host = HostTier(8, "lru", tenancy=tenancy)
+    put(host, "a", 1, 2, 3)
+    assert tenancy.retain(ks(1, 2, 3), "a", 50).refused is Refusal.QUOTA
+    assert str(tenancy.retain(ks(1, 2, 3), "a", 50)) == "refused:quota"
+    assert tenancy.retain(ks(1, 2), "a", 101).refused is Refusal.OVER_MAX
+    assert tenancy.retain(ks(99), "a", 10).refused is Refusal.NOT_STORED
+    assert tenancy.retain(ks(1, 2), "a", 10).refused is None  # within quota
+    assert tenancy.retain(ks(3), "a", 10).refused is Refusal.QUOTA  # 3 > 2 retained
+    put(host, "big", 4, 5, 6)
+    assert tenancy.retain(ks(4, 5, 6), "big", 10).refused is None  # its own quota
+    refused = tenancy.counts["a"].retention_refused
+    assert refused == {"quota": 3, "over_max": 1, "not_stored": 1}
+    assert tenancy.counts["a"].retention_granted == 1
+    off = Tenancy(max_retention_s=0)
+    HostTier(2, tenancy=off).prepare_store(ks(1), [[1]], "a")
+    assert off.retain(ks(1), "a", 5).refused is Refusal.DISABLED
+
+
+def test_labels_are_bounded_the_rest_folded_into_other() -> None:
+    tenancy = Tenancy()
+    host = HostTier(20, "lru", tenancy=tenancy)
+    for i, tenant in enumerate(["t0", "t1", "t2", "t3", ""]):
+        put(host, tenant, *range(10 * i, 10 * i + (5 - i)))
+    report = tenancy.report(2)
+    assert list(report) == ["t0", "t1", "other"]
+    assert report["other"].held["host"] == 3 + 2 + 1
+    assert set(tenancy.report(9)) == {"t0", "t1", "t2", "t3", "default"}
+
+
+def test_a_restart_keeps_unexpired_retention(tmp_path: Path) -> None:
+    clock = Clock()
+    first = Tenancy(max_retention_s=3600, file=RetentionFile(tmp_path), clock=clock)
+    host, disk = HostTier(4, tenancy=first), DiskTier(4, tenancy=first)
+    put(host, "a", 1, 2, 3)
+    disk_result = disk.prepare_store(ks(1, 2, 3), [[1], [2], [3]])
+    assert disk_result is not None
+    disk.complete_store(disk_result.keys, True)
+    assert first.retain(ks(1), "a", 600).blocks == 1
+    assert first.retain(ks(2), "a", 5).blocks == 1
+    first.save()
+    clock.now += 10  # key 2's retention has expired by the restart
+    second = Tenancy(max_retention_s=3600, file=RetentionFile(tmp_path), clock=clock)
+    disk2 = DiskTier(4, tenancy=second)
+    disk2.adopt([(0, ks(1)[0], [1]), (1, ks(2)[0], [2]), (2, ks(3)[0], [3])])
+    assert second.retained(ks(1)[0]) and second.owner(ks(1)[0]) == "a"
+    assert not second.retained(ks(2)[0]) and not second.retained(ks(3)[0])
+    assert second.counts["a"].retained["disk"] == 1
+    assert disk2.prepare_store(ks(7, 8, 9, 10), [[7], [8], [9], [10]]) is None
+    assert disk2.prepare_store(ks(7, 8, 9), [[7], [8], [9]]) is not None
+
+
+def test_a_damaged_retention_file_is_logged_and_ignored(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    (tmp_path / "retention.json").write_text("{not json")
+    tenancy = Tenancy(max_retention_s=60, file=RetentionFile(tmp_path))
+    assert not tenancy.any_retained
+    assert "cannot be read" in caplog.text
+
+
+def test_a_block_that_leaves_every_tier_is_forgotten() -> None:
+    tenancy = Tenancy()
+    host = HostTier(2, tenancy=tenancy)
+    put(host, "a", 1)
+    host.remove(ks(1))
+    assert tenancy.owner(ks(1)[0]) == "" and tenancy.counts["a"].held["host"] == 0
+    result = host.prepare_store(ks(2), [[2]], "a")
+    assert result is not None
+    host.complete_store(result.keys, False)  # a failed store holds nothing
+    assert tenancy.counts["a"].held["host"] == 0
