@@ -194,6 +194,32 @@ def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
                   {"used": _num(disk, "used_slots"), "capacity": _num(disk, "capacity_slots")})
 
 
+def _tenant_families(tenants: Mapping[str, Any]) -> Iterator[Metric]:
+    """Per tenant (labels bounded by `kv_tenant_labels`, the rest as "other"): what it holds
+    and retains in each tier, what it lost to eviction, its hits, its retention answers."""
+    held = GaugeMetricFamily(f"{PREFIX}tenant_bytes", "Bytes a tenant's blocks take in a "
+                             "tier, held (all) or retained (pinned until a deadline).",
+                             labels=["tenant", "tier", "kind"])
+    evicted = CounterMetricFamily(f"{PREFIX}tenant_evicted_blocks", "A tenant's blocks "
+                                  "evicted from a tier to make room.", labels=["tenant", "tier"])
+    hits = CounterMetricFamily(f"{PREFIX}tenant_hit_blocks", "A tenant's blocks loaded from "
+                               "host for its requests.", labels=["tenant"])
+    asked = CounterMetricFamily(f"{PREFIX}tenant_retention", "Retention requests by answer: "
+                                "granted, or refused by reason (quota, over_max, ...).",
+                                labels=["tenant", "answer"])
+    for tenant, row in tenants.items():
+        for kind in ("held", "retained"):
+            for tier, n in (row.get(f"{kind}_bytes") or {}).items():
+                held.add_metric([tenant, tier, kind], float(n))
+        for tier, n in (row.get("evicted_blocks") or {}).items():
+            evicted.add_metric([tenant, tier], float(n))
+        hits.add_metric([tenant], float(row.get("hit_blocks") or 0))
+        asked.add_metric([tenant, "granted"], float(row.get("retention_granted") or 0))
+        for reason, n in (row.get("retention_refused") or {}).items():
+            asked.add_metric([tenant, reason], float(n))
+    yield from (held, evicted, hits, asked)
+
+
 class EngineCollector:
     """Turns the last `engine_stats` snapshot into gauge and counter families at scrape time."""
 
@@ -239,6 +265,7 @@ class EngineCollector:
                       "Requests that recomputed tokens found in the tier, by reason.", "reason",
                       {r.value: _num(tier.get("declined"), r.value) for r in Decline})
         yield from _deep_families(s.get("tiers_below_host") or {})
+        yield from _tenant_families(tier.get("tenants") or {})
         yield GaugeMetricFamily(f"{PREFIX}requests_running", "Requests running now.",
                                 value=running)
         yield GaugeMetricFamily(f"{PREFIX}requests_waiting", "Requests waiting to be admitted.",

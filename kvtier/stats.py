@@ -108,9 +108,22 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
         "tier_evictions": ts.evictions,
         "declined": dict(ms.declined),  # admitted requests per reason they recomputed
         "planner": {"calibration": dict(ms.calibration), "error": dict(ms.prediction_error)},
+        "tenants": tenant_stats(ms),
     }
     report["tiers_below_host"] = below_host_stats(ms, wr.stores)
     return report
+
+
+def tenant_stats(ms: TierStats) -> dict[str, Any]:
+    """Per tenant label (bounded by `kv_tenant_labels`): bytes held and retained and blocks
+    evicted per tier, blocks loaded from host, and retention asked, granted or refused."""
+    size = ms.slot_bytes
+    return {label: {"held_bytes": {t: n * size for t, n in c.held.items()},
+                    "retained_bytes": {t: n * size for t, n in c.retained.items()},
+                    "evicted_blocks": dict(c.evictions), "hit_blocks": c.hits,
+                    "retention_granted": c.retention_granted,
+                    "retention_refused": dict(c.retention_refused)}
+            for label, c in ms.tenants.items()}
 
 
 def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any] | None:

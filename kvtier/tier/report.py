@@ -99,5 +99,6 @@ class TierStats:
     below: BelowReport | None
     # admitted requests that recomputed tokens found in the tier, per Decline value
     declined: Mapping[str, int] = field(default_factory=dict)
-    # per tenant label (bounded: `kv_tenant_labels`, the rest as "other")
+    # per tenant label (bounded: `kv_tenant_labels`, the rest as "other"), in blocks
     tenants: Mapping[str, TenantCounts] = field(default_factory=dict)
+    slot_bytes: int = 0  # bytes of one block in a host slot or below (blocks -> bytes)

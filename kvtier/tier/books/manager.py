@@ -142,7 +142,8 @@ class TierManager:
             prediction_error=self.planner.error_report(),
             below=self.below.report() if self.below else None,
             declined={reason.value: n for reason, n in self.declined.items()},
-            tenants=self.host.tenancy.report(self.config.kv_tenant_labels))
+            tenants=self.host.tenancy.report(self.config.kv_tenant_labels),
+            slot_bytes=self.below.block_bytes)
 
     # -- match and load -----------------------------------------------------------------
 
