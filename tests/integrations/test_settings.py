@@ -39,8 +39,9 @@ def _numeric_knobs() -> list[str]:
     names = []
     for cls in (TierConfig, OffloadPolicy):
         hints = typing.get_type_hints(cls)
-        names += [f.name for f in dataclasses.fields(cls)
-                  if set(typing.get_args(hints[f.name]) or (hints[f.name],)) & {int, float}]
+        names += [f.name for f in dataclasses.fields(cls)  # a map's values are not a knob
+                  if typing.get_origin(hints[f.name]) is not dict
+                  and set(typing.get_args(hints[f.name]) or (hints[f.name],)) & {int, float}]
     return names
 
 
@@ -146,3 +147,17 @@ def test_every_engine_policy_is_refused_under_vllm_with_its_reason() -> None:
     """One list: a policy added to kvtier's engine is refused under vLLM until it is honoured."""
     assert set(ENGINE_ONLY) == {f.name for f in dataclasses.fields(OffloadPolicy)}
     assert not set(ENGINE_ONLY) & {f.name for f in dataclasses.fields(TierConfig)}
+
+
+def test_tenancy_knobs_pass_through_and_a_bad_quota_is_refused_by_name() -> None:
+    config = tier_config({"kv_offloading_size": 1, "kv_retention_max_s": 600,
+                          "kv_tenant_quota": {"host": 0.5}, "kv_tenant_labels": 4,
+                          "kv_tenant_quotas": {"alice": {"host": 2, "disk": 8}}})
+    assert config.kv_retention_max_s == 600 and config.kv_tenant_labels == 4
+    assert config.kv_tenant_quota == {"host": 0.5}
+    assert config.kv_tenant_quotas == {"alice": {"host": 2, "disk": 8}}
+    for bad, message in (({"kv_tenant_quota": {"gpu": 1}}, "names the tier 'gpu'"),
+                         ({"kv_tenant_quotas": {"a": {"host": -1}}}, "must be a finite"),
+                         ({"kv_retention_max_s": -1}, "kv_retention_max_s=")):
+        with pytest.raises(ConfigError, match=message):
+            settings({"kv_offloading_size": 1, **bad})

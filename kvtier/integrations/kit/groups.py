@@ -106,3 +106,15 @@ def _served(group: Any) -> ServedGroup:
                           f"windows of at least one token; {RUN_WITHOUT}")
     extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
     return ServedGroup(group, Window(tokens, extra, int(spec.block_size)))
+
+
+def where_expected(block_ids: Sequence[Sequence[int]], d: int,
+                   need: Sequence[tuple[int, int]]) -> bool:
+    """Whether vLLM allocated real blocks for all of `need` ((group, block) after its own hit
+    of `d` blocks), and its null block for the window blocks before them that a hit skips."""
+    if any(not block_ids[g][i] for g, i in need):
+        return False
+    firsts: dict[int, int] = {}
+    for g, i in need:
+        firsts[g] = min(firsts.get(g, i), i)
+    return all(not any(block_ids[g][d:first]) for g, first in firsts.items())

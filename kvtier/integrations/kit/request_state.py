@@ -33,6 +33,7 @@ class RequestState:
     tokens: Sequence[int]  # the live token ids (prompt and output so far)
     namespace: BlockKey
     prompt_len: int  # a window group stores the window before the prompt's hit boundary
+    tenant: str = ""  # whose its stored blocks are (vLLM: its cache_salt)
     keys: list[BlockKey] = field(default_factory=list)  # the chain, group-free
     group_keys: list[list[BlockKey]] = field(default_factory=list)  # per group, as far
     stored: int = 0  # leading full blocks handed to the tier (stored, or loaded from it)

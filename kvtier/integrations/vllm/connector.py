@@ -136,8 +136,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if salt is None:
             return 0, False  # a LoRA adapter whose bytes kvtier cannot see: never cached
         self._requests[request.request_id] = request
+        # the tenant whose quotas and counters its stores count against: its cache_salt
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, salt,
-                                          num_computed_tokens, request.num_prompt_tokens)
+                                          num_computed_tokens, request.num_prompt_tokens,
+                                          tenant=request.cache_salt or "")
         return n, False
 
     @timed(begins_step=True)
@@ -194,16 +196,19 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Full blocks are stored as they fill; a sliding-window group's window before the
         request's final boundary is stored in the next step, and vLLM holds those blocks
-        until the worker says the copies are done (`get_finished`)."""
+        until the worker says the copies are done (`get_finished`). The request's own asks
+        in its kv_transfer_params (retention, expect-return: `kv_hints.py`) are answered
+        in the params it ends with, with or without the residency details."""
         assert self.scheduler is not None
         hold = self.scheduler.finish_windows(request.request_id, block_ids,
                                              request.num_computed_tokens)
+        answers = self.scheduler.answer(request.request_id, request.kv_transfer_params)
         params = self.scheduler.finished(request.request_id)
         self._requests.pop(request.request_id, None)  # live until now: its blocks' origins
         self._blocks.pop(request.request_id, None)
         if not self.settings.enable_residency_details:
             params = {}  # where another tenant's prefix lived is nobody else's business
-        return hold, params or None
+        return hold, {**params, **answers} or None
 
     def reset_cache(self) -> bool:
         """vLLM forgot its prefix cache (`reset_prefix_cache(reset_connector=True)`, a pause or

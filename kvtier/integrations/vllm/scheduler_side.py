@@ -9,6 +9,8 @@ its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierMa
   step(scheduled)                                  -> the jobs of this step: loads decided
                                                       above, stores of newly full blocks
   apply(results)                                   the worker's results (slots unpinned)
+  answer(request, asks)                            -> its asks (retention, expect-return:
+                                                      `kv_hints.py`) answered; then:
   finished(request)                                -> what the caller is told
   take_stats()                                     -> counters since the last call
   reset()                                          vLLM forgot its cache (new weights?):
@@ -35,13 +37,15 @@ Each request's wake is timed mark by mark (`wake_timeline.py`, in its kv_transfe
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvtier.integrations.kit.counters import tier_counters
+from kvtier.integrations.kit.counters import Reported, tier_counters
 from kvtier.integrations.kit.events import UNPUBLISHED, BlockRecorder
-from kvtier.integrations.kit.groups import Window
+from kvtier.integrations.kit.groups import Window, where_expected
+from kvtier.integrations.kit.kv_hints import KvHints
 from kvtier.integrations.kit.request_state import RequestState, Scheduled, group_key
 from kvtier.integrations.kit.wake_timeline import WakeTimeline
 from kvtier.tier import (
@@ -84,12 +88,16 @@ class SchedulerSide:
         self._counts: Counter[str] = Counter()  # since the last take_stats
         # load job -> its request, the tokens it spares vLLM, its blocks per group
         self._restoring: dict[int, tuple[str, int, Counter[int]]] = {}
-        self._reported: dict[str, float] = {}  # what the tier knew at start is news too
+        self._reported = Reported()  # what the tier knew at start is news too
+        self.hints = KvHints(manager)  # retention and expect-return asks
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
-                       num_computed: int, prompt_len: int | None = None) -> int | None:
-        """Tokens after vLLM's own `num_computed` that kvtier can restore from host."""
+                       num_computed: int, prompt_len: int | None = None,
+                       tenant: str = "") -> int | None:
+        """Tokens after vLLM's own `num_computed` that kvtier can restore from host; what
+        the request stores is `tenant`'s (its quotas and counters)."""
         st = self._state(request_id, tokens, salt, prompt_len)
+        st.tenant = tenant
         bs = self.block_size
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
@@ -183,7 +191,7 @@ class SchedulerSide:
         if external != st.offered:  # vLLM took less than offered: load nothing, recompute
             match, need = Match(declined_by=match.declined_by), []
         targets = [block_ids[g][i] for g, i in need]
-        if need and not self._where_expected(block_ids, st.local_blocks, need):
+        if need and not where_expected(block_ids, st.local_blocks, need):
             # vLLM's nulls are not where the window rule puts them: load nothing, and have
             # vLLM recompute every block it thinks restored
             d, end = st.local_blocks, st.local_blocks + st.offered // self.block_size
@@ -200,17 +208,6 @@ class SchedulerSide:
             st.stored = max(st.stored, max(i for _, i in need) + 1)
         st.match, st.need, st.offered = NO_MATCH, [], 0
         return job
-
-    def _where_expected(self, block_ids: Sequence[Sequence[int]], d: int,
-                        need: list[tuple[int, int]]) -> bool:
-        """Whether vLLM allocated real blocks for all of `need`, and its null block for the
-        window blocks before them that a hit skips."""
-        if any(not block_ids[g][i] for g, i in need):
-            return False
-        firsts: dict[int, int] = {}
-        for g, i in need:
-            firsts[g] = min(firsts.get(g, i), i)
-        return all(not any(block_ids[g][d:first]) for g, first in firsts.items())
 
     def finish_windows(self, request_id: str, block_ids: Sequence[Sequence[int]],
                        computed: int) -> bool:
@@ -244,7 +241,7 @@ class SchedulerSide:
         or None if it had no room; what it took is told to the recorder."""
         blocks = self.manager.store([block_ids[g][i] for g, i in kept],
                                     [st.group_keys[g][i] for g, i in kept],
-                                    [self._chunk(st, i) for _, i in kept])
+                                    [self._chunk(st, i) for _, i in kept], tenant=st.tenant)
         if blocks is not None:
             self.recorder.storing(request_id, kept, st.group_keys)
         return blocks
@@ -264,6 +261,7 @@ class SchedulerSide:
         """Stores for every block that is full once this step has run (the worker copies
         them after the forward pass, before vLLM can reuse them), and all decided jobs."""
         bs = self.block_size
+        self.hints.stage(time.monotonic())  # sessions due back soon: up into host now
         for s in scheduled:
             st = self.requests.get(s.request_id)
             if st is None:
@@ -284,12 +282,14 @@ class SchedulerSide:
         return self.manager.take_jobs()
 
     @property
-    def busy(self) -> bool:
+    def busy(self) -> bool:  # a hint not yet due is not: vLLM would spin its loop for it
         return self.manager.busy
 
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
             if isinstance(event, FetchDone):
+                if self.hints.landed(event.request_id):
+                    continue  # an expect-return staging, done
                 if event.request_id in self.requests:
                     self.requests[event.request_id].timeline.fetched(event.finished_at,
                                                                      event.seconds)
@@ -323,11 +323,21 @@ class SchedulerSide:
     def take_stats(self) -> dict[str, float]:
         """What happened since the last call (vLLM sums the reports), keyed as `counters.py`
         says: `fetched_blocks|disk`, `miss_blocks|disk|checksum`."""
-        now = tier_counters(self.manager.report(), self.world_size)
-        delta = {key: value - self._reported.get(key, 0) for key, value in now.items()}
-        self._reported = now
+        delta = self._reported.take(tier_counters(self.manager.report(), self.world_size))
         counts, self._counts = self._counts, Counter()
         return {key: value for key, value in {**counts, **delta}.items() if value}
+
+    def answer(self, request_id: str, asks: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A finishing request's asks (`kv_hints.py`) over its full blocks: vLLM finishes it
+        in its last step's update, after `step` stored them (retention finds storing ones)."""
+        st = self.requests.get(request_id)
+        blocks = [] if st is None or st.stale else [
+            (g, i) for g, keys in enumerate(st.group_keys)
+            for i in range(min(st.stored, len(keys))) if self._kept(st, g, i)]
+        return self.hints.answer(request_id, asks, st.tenant if st else "",
+                                 [st.group_keys[g][i] for g, i in blocks] if st else [],
+                                 [self._chunk(st, i) for _, i in blocks] if st else [],
+                                 time.monotonic())
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what kvtier did for it (vLLM's kv_transfer_params), as the

@@ -55,6 +55,15 @@ LABELLED = {
                               "policy, deadline, no_room, lost, layout)"),
     "write_failure_blocks": (("tier", "reason"), "Blocks a tier below host failed to take, by "
                                                  "reason (timeout, unavailable, io, ...)"),
+    # per tenant (a request's cache_salt; "default" without one): the kv_tenant_labels
+    # tenants holding most by name, the rest as "other", so the labels stay bounded
+    "tenant_hits": (("tenant",), "Blocks restored from host for a tenant's requests"),
+    "tenant_evictions": (("tenant", "tier"), "A tenant's blocks evicted from a tier to make "
+                                             "room"),
+    "retention_granted": (("tenant",), "Retentions granted (kvtier_retention_s in a "
+                                       "request's kv_transfer_params)"),
+    "retention_refused": (("tenant", "reason"), "Retentions refused, by reason (disabled, "
+                                                "over_max, quota, not_stored)"),
 }
 
 

@@ -1,0 +1,104 @@
+"""A request's asks in vLLM's kv_transfer_params (retention, expect-return) through the
+connector's scheduler half, with plain values (no vLLM): tenants are cache_salts, answers
+come back with the request's end, and a bad value is refused, never raised."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+from test_scheduler_side import BS, FAST, FP, finish_jobs
+
+from kvtier.integrations.kit.counters import tier_counters
+from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
+from kvtier.tier import TierConfig
+from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.manager import TierManager, job_ids
+from kvtier.tier.books.tenancy import Quotas, Tenancy
+from kvtier.tier.planner import Planner
+
+PROMPT = list(range(10, 23))  # 13 tokens: 3 full blocks
+
+
+def side(slots: int = 8, quotas: Quotas | None = None, max_s: float = 3600.0
+         ) -> SchedulerSide:
+    tenancy = Tenancy(quotas, max_s)
+    host, ids = HostTier(slots, tenancy=tenancy), job_ids()
+    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(FAST), 1000,
+                          BelowHost(host, [], 1000, ids), ids)
+    return SchedulerSide(manager, BS, FP.namespace)
+
+
+def finish(s: SchedulerSide, rid: str, prompt: list[int], tenant: str,
+           asks: dict[str, Any] | None, land: bool = True) -> dict[str, Any]:
+    """One request computed in one step and finished as vLLM does: in its last step's
+    update, before that step's stores have landed (`land`: they land after)."""
+    assert s.matched_tokens(rid, prompt, tenant, 0, tenant=tenant) == 0
+    s.allocated(rid, [[1, 2, 3, 4]], 0)
+    jobs = s.step([Scheduled(rid, [[1, 2, 3, 4]], len(prompt))])
+    answers = s.answer(rid, asks)
+    s.finished(rid)
+    if land:
+        finish_jobs(s, jobs)
+    return answers
+
+
+def test_a_retention_asked_while_the_blocks_are_still_storing_is_granted() -> None:
+    s = side()
+    answers = finish(s, "a", PROMPT, "victim", {"kvtier_retention_s": 60})
+    assert answers == {"kvtier_retention_s": 60.0}
+    tenants = s.manager.report().tenants
+    assert tenants["victim"].retained["host"] == 3 and tenants["victim"].held["host"] == 3
+    stats = s.take_stats()
+    assert stats["retention_granted|victim"] == 1
+    assert s.take_stats().get("retention_granted|victim") is None  # reported once
+
+
+@pytest.mark.parametrize("bad", [-5, 0, math.nan, math.inf, "60", True, None, [60]])
+def test_a_bad_value_is_refused_invalid_and_nothing_is_retained(bad: object) -> None:
+    s = side()
+    answers = finish(s, "a", PROMPT, "t", {"kvtier_retention_s": bad,
+                                          "kvtier_expect_return_s": bad})
+    assert answers == {"kvtier_retention_s": "refused:invalid",
+                       "kvtier_expect_return_s": "refused:invalid"}
+    assert s.manager.report().tenants["t"].retained == {}
+    assert len(s.hints) == 0
+
+
+def test_refusals_come_from_the_tier_with_their_reason_and_are_counted() -> None:
+    s = side(quotas=Quotas(named={"capped": {"host": 2}}))
+    assert finish(s, "a", PROMPT, "capped", {"kvtier_retention_s": 60}) == {
+        "kvtier_retention_s": "refused:quota"}
+    assert finish(s, "b", [1, *PROMPT], "t", {"kvtier_retention_s": 1e9}) == {
+        "kvtier_retention_s": "refused:over_max"}
+    assert finish(s, "c", PROMPT[:3], "t", {"kvtier_retention_s": 60}) == {
+        "kvtier_retention_s": "refused:not_stored"}  # no full block
+    counters = tier_counters(s.manager.report())
+    assert counters["retention_refused|capped|quota"] == 1
+    assert counters["retention_refused|t|over_max"] == 1
+    assert counters["retention_refused|t|not_stored"] == 1
+    assert finish(s, "d", [2, *PROMPT], "", None) == {}  # no asks: no answers
+
+
+def test_no_tenant_counts_as_default_and_tenant_labels_are_bounded() -> None:
+    s = side(slots=16)
+    s.manager.config = TierConfig(kv_offloading_size=1, kv_tenant_labels=1)
+    finish(s, "a", PROMPT, "", None)
+    finish(s, "b", [1, *PROMPT], "x|y", None)
+    finish(s, "c", [2, *PROMPT], "z", None)
+    labels = {k.split("|")[1] for k in tier_counters(s.manager.report()) if "tenant_" in k}
+    assert len(s.manager.report().tenants) == 2 and labels <= {"default", "x_y", "z", "other"}
+
+
+def test_an_expect_return_hint_is_kept_until_due_then_staged_and_forgotten() -> None:
+    s = side()
+    answers = finish(s, "a", PROMPT, "t", {"kvtier_expect_return_s": 0.02})
+    assert answers == {"kvtier_expect_return_s": 0.02} and len(s.hints) == 1
+    assert finish(s, "b", [1, *PROMPT], "t", {"kvtier_expect_return_s": 1e6}) == {
+        "kvtier_expect_return_s": "refused:over_max"}
+    time.sleep(0.02)
+    s.step([])  # due: on host already, so nothing to fetch and nothing left behind
+    assert len(s.hints) == 0 and not s.hints.staging and not s.busy
