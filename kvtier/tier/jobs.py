@@ -90,6 +90,9 @@ class Job:
     # a fetch: seconds it may take from the moment the worker's I/O receives it (queueing
     # included); what has not landed by then is a miss (Reason.DEADLINE). None: no deadline
     budget_s: float | None = None
+    # a write, per key: the retention deadline (Unix time, 0: none) a store that expires its
+    # blocks must keep it to (Redis: a TTL that long at least); () when no key is retained
+    keep_until: tuple[float, ...] = ()
 
     @property
     def num_blocks(self) -> int:

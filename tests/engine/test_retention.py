@@ -183,3 +183,21 @@ def test_over_the_maximum_or_without_a_tier_the_retention_is_refused_with_the_re
     finally:
         engine.close()
         off.close()
+
+
+def test_redis_keeps_a_retained_block_as_long_as_its_retention(
+        tiny: LoadedModel, redis_server: Any) -> None:
+    """The store's TTL (remote_kv_ttl_s) is stretched to the retention's deadline for the
+    blocks retained when they are written; the others keep the plain TTL."""
+    engine = engine_of(tiny, **BASE, kv_offloading_size=0.02, remote_kv_url=redis_server.url,
+                       remote_kv_ttl_s=30.0)
+    try:
+        ask(engine, SYSTEM, "victim", retention_s=3600.0)
+        ask(engine, [*range(1, 49)], "other")
+    finally:
+        engine.close()
+    with redis_server.client() as client:
+        ttls = sorted(client.pttl(k) / 1000 for k in client.scan_iter(count=1000))
+    assert len(ttls) == 6 + 3, ttls
+    assert all(0 < t <= 30 for t in ttls[:3]), ttls  # the other tenant's: the store's TTL
+    assert all(3500 < t <= 3600 for t in ttls[3:]), ttls  # the retained six: an hour

@@ -85,9 +85,11 @@ def test_the_host_spills_a_retained_block_only_where_a_tier_below_keeps_it() -> 
     put(host, "a", 1, 2)
     assert tenancy.retain(ks(1, 2), "a", 600).blocks == 2
     below = {ks(1)[0]}
-    assert put(host, "b", 3, spill=below.__contains__) == ks(1)  # kept on disk: let go
-    assert put(host, "b", 4, spill=below.__contains__) == ks(3)  # unretained first
-    assert host.prepare_store(ks(5, 6), [[5], [6]], "b", below.__contains__) is None  # not 2
+    # Another tenant's store never pushes a's retained blocks off host, kept below or not.
+    assert host.prepare_store(ks(3), [[3]], "b", below.__contains__) is None
+    assert put(host, "a", 3, spill=below.__contains__) == ks(1)  # a's own, kept on disk
+    assert put(host, "a", 4, spill=below.__contains__) == ks(3)  # unretained first
+    assert host.prepare_store(ks(5, 6), [[5], [6]], "a", below.__contains__) is None  # not 2
     assert tenancy.retained(ks(2)[0])
 
 

@@ -146,9 +146,11 @@ class BelowHost:
         # The row must not change (or be evicted) while it is read; a hold, not a load.
         self.host.hold(keys)
         host_slots = [self.host.slot_of(k) for k in keys]
+        keep = tuple(self.host.tenancy.deadline(k) for k in keys)
         self._add(_Pending(Job(next(self._ids), Medium.HOST, tier, tuple(host_slots),
                                keys=tuple(keys), tokens=tuple(tuple(t) for t in tokens),
-                               media=(tier,) * len(keys), below_slots=tuple(slots))))
+                               media=(tier,) * len(keys), below_slots=tuple(slots),
+                               keep_until=keep if any(keep) else ())))
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""

@@ -206,8 +206,13 @@ class SlotTier:
 
     @property
     def room(self) -> int:
-        """Slots a store could get now: free ones plus those holding unpinned keys."""
-        return len(self._free) + len(self._entries) - len(self._storing) - len(self._pins)
+        """Slots a store could get now: free ones plus those holding unpinned, unretained
+        keys (a fetch is sized by it: it never pushes a retained block off)."""
+        room = len(self._free) + len(self._entries) - len(self._storing) - len(self._pins)
+        if self.tenancy.any_retained:
+            room -= sum(1 for k in self._entries
+                        if not self._pinned(k) and self.tenancy.retained(k))
+        return room
 
     def hold(self, keys: Sequence[BlockKey]) -> None:
         """Pin complete keys against eviction (no load is counted): a fetched block waits

@@ -162,6 +162,10 @@ class Tenancy:
         claim = self._claims.get(key)
         return claim is not None and claim.until > 0.0
 
+    def deadline(self, key: BlockKey) -> float:
+        """The retention deadline of `key` (Unix time), 0.0 for none."""
+        return self._claims[key].until if self.retained(key) else 0.0
+
     @property
     def any_retained(self) -> bool:
         self.expire()

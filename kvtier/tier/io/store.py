@@ -69,7 +69,11 @@ class SecondaryStore(Protocol):
         ...
 
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
-              payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]: ...
+              payloads: Sequence[memoryview], keep_until: Sequence[float] = ()
+              ) -> list[OSError | StoreMiss | None]:
+        """Store the blocks; `keep_until[i]`: block i's retention deadline (Unix time, 0:
+        none), which a store that expires blocks by itself must not cut short."""
+        ...
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
               deadline: float | None = None) -> BlockReads:

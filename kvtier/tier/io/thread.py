@@ -259,10 +259,11 @@ class TierIO:
                 reasons[i] = self._os_error(job.dst, OSError(str(fault)))
         for lo, hi in batches([len(rows[i]) for i in todo], WRITE_PIECE_BYTES):
             part = todo[lo:hi]
+            keep = {"keep_until": [job.keep_until[i] for i in part]} if job.keep_until else {}
             errors = store.write([job.below_slots[i] for i in part],
                                  [self._header(job.keys[i], job.tokens[i], rows[i])
                                   for i in part],
-                                 [rows[i] for i in part])
+                                 [rows[i] for i in part], **keep)
             for i, error in zip(part, errors):
                 if error:
                     reasons[i] = self._failure(job.dst, error)

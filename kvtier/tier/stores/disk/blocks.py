@@ -23,7 +23,9 @@ class DiskBlocks:
         self.store, self.max_gbps = store, max_gbps
 
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
-              payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]:
+              payloads: Sequence[memoryview], keep_until: Sequence[float] = ()
+              ) -> list[OSError | StoreMiss | None]:
+        # keep_until: the disk's books keep retention (retention.json)
         errors: list[OSError | StoreMiss | None] = []
         for slot, header, payload in zip(slots, headers, payloads):
             began = time.perf_counter()

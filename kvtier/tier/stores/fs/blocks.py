@@ -64,7 +64,9 @@ class FsBlocks:
         self.last_error = ""
 
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
-              payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]:
+              payloads: Sequence[memoryview], keep_until: Sequence[float] = ()
+              ) -> list[OSError | StoreMiss | None]:
+        # keep_until: a shared directory expires nothing by itself
         errors: list[OSError | StoreMiss | None] = []
         for header, payload in zip(headers, payloads):
             try:

@@ -45,12 +45,15 @@ class RemoteBlocks:
         self.store, self.mac, self.slot_bytes = store, mac, slot_bytes
 
     def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
-              payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]:
+              payloads: Sequence[memoryview], keep_until: Sequence[float] = ()
+              ) -> list[OSError | StoreMiss | None]:
+        """`keep_until`: retention deadlines, which the store's TTL never cuts short."""
         items = [(h.key, pack(h, p, self.mac)) for h, p in zip(headers, payloads)]
+        keep = list(keep_until) or [0.0] * len(items)
         errors: list[OSError | StoreMiss | None] = [None] * len(items)
         for lo, hi in batches([len(p) for p in payloads], REMOTE_BATCH_BYTES):
             try:
-                outcomes = self.store.put_many(items[lo:hi])
+                outcomes = self.store.put_many(items[lo:hi], keep[lo:hi])
             except RemoteUnavailable as e:  # this batch and every later one: not stored
                 errors[lo:] = [StoreMiss(e.reason, str(e))] * (len(items) - lo)
                 break

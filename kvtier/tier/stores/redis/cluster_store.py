@@ -46,6 +46,7 @@ from kvtier.tier.stores.redis.kv import Landed
 from kvtier.tier.stores.redis.store import (
     KeyedStore,
     auth_message,
+    expiries_ms,
     timed_out,
     with_deadline_misses,
 )
@@ -86,12 +87,14 @@ class ClusterStore(KeyedStore):
         self._writers = (node_writers(self._spec, timeout_s, write_timeout_s)  # own timeout
                          if write_timeout_s is not None and write_timeout_s != timeout_s else None)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], keep_until: Sequence[float] = ()
+                 ) -> list[RemoteUnavailable | None]:
         """Per item None once stored, or why its shard did not take it."""
         names = [self.key(k) for k, _ in items]
+        px = expiries_ms(self._px, len(items), keep_until)
 
         def put(pipe: Any, i: int) -> None:
-            pipe.set(names[i], items[i][1], px=self._px)
+            pipe.set(names[i], items[i][1], px=px[i])
 
         out = self._batch("put", names, pipelined(put, self._writers), write=True)
         return [v if isinstance(v, RemoteUnavailable) else None for v in out]

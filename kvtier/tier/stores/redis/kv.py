@@ -29,7 +29,9 @@ class KeyValueStore(Protocol):
         """The store's key of one block (namespaced)."""
         ...
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], keep_until: Sequence[float] = ()
+                 ) -> list[RemoteUnavailable | None]:
+        """Store the items; `keep_until[i]` (Unix time, 0: none): item i expires no sooner."""
         ...
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:

@@ -15,6 +15,7 @@ configurations sharing one server never read each other's blocks.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -65,6 +66,15 @@ def key_prefix(namespace: bytes) -> bytes:
 
 def ttl_ms(ttl_s: float | None) -> int | None:
     return None if ttl_s is None else max(1, round(ttl_s * 1000))
+
+
+def expiries_ms(px: int | None, count: int, keep_until: Sequence[float]) -> list[int | None]:
+    """Each item's PX: the store's TTL, stretched to a retention deadline that outlives it
+    (no TTL: nothing expires, retained or not)."""
+    if px is None or not keep_until:
+        return [px] * count
+    now = time.time()
+    return [max(px, round((until - now) * 1000)) for until in keep_until]
 
 
 def one_line(e: BaseException) -> str:
@@ -165,15 +175,17 @@ class RedisStore(KeyedStore):
         # fetches into host rows over a connection of its own (direct.py); TLS: bytes
         self._direct = DirectReader.for_url(url, timeout_s) if direct_supported(url) else None
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[RemoteUnavailable | None]:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], keep_until: Sequence[float] = ()
+                 ) -> list[RemoteUnavailable | None]:
         """Per item None once stored (one server: the batch fails whole, by raising)."""
         if not items:
             return []
+        px = expiries_ms(self._px, len(items), keep_until)
 
         def put(client: redis.Redis) -> None:
             pipe = client.pipeline(transaction=False)
-            for block_key, value in items:
-                pipe.set(self.key(block_key), value, px=self._px)
+            for (block_key, value), ms in zip(items, px):
+                pipe.set(self.key(block_key), value, px=ms)
             pipe.execute()
 
         self._call("put", put, self._writer)
