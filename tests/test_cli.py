@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess[str]:
@@ -43,3 +44,21 @@ def test_every_command_has_a_working_help() -> None:
     for name, command in [("", parser), *sub.choices.items()]:
         text = command.format_help()  # what `kvtier NAME --help` prints, without exiting
         assert "usage:" in text and len(text) > 100, name
+
+
+def test_bad_tenant_quotas_are_clear_errors(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-a": "alice"}))
+    r = kvtier("serve", "--model", "tiny", "--api-keys-file", str(keys),
+               "--kv-tenant-quotas", '{"bob": {"host": 1}}')
+    assert r.returncode == 2 and "'bob', which no API key is for" in r.stderr, r.stderr
+    assert "the tenants are: alice" in r.stderr and "Traceback" not in r.stderr
+    for knob, value, said in (
+            ("--kv-tenant-quota", '{"gpu": 1}', "names the tier 'gpu'"),
+            ("--kv-tenant-quota", '{"host": -1}', "must be a finite number of GiB"),
+            ("--kv-tenant-quotas", '{"": {"host": 1}}', "a non-empty string"),
+            ("--kv-retention-max-s", "-5", "kv_retention_max_s=-5")):
+        r = kvtier("generate", "hi", "--model", "tiny", "--kv-offloading-size", "0.01",
+                   knob, value)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

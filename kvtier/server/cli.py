@@ -54,6 +54,18 @@ def load_tenants(api_key: str | None, keys_file: str | None) -> dict[str, str] |
     return tenants or None
 
 
+def check_quota_tenants(tenants: dict[str, str] | None, quotas: dict[str, Any]) -> None:
+    """With API keys, a request's tenant is its key's: a quota naming no such tenant is a
+    typo (ConfigError naming it), never a quota that silently applies to no one."""
+    if tenants is None:
+        return  # tenants are cache_salts, which any client may choose
+    unknown = sorted(set(quotas) - set(tenants.values()))
+    if unknown:
+        raise ConfigError(f"kv_tenant_quotas names {', '.join(map(repr, unknown))}, which no "
+                          f"API key is for; the tenants are: "
+                          f"{', '.join(sorted(set(tenants.values())))}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -64,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvtier.server.engine_loop import EngineLoop
 
     tenants = load_tenants(args.api_key, args.api_keys_file)
+    check_quota_tenants(tenants, args.kv_tenant_quotas or {})
     engine = LLMEngine(EngineConfig.from_knobs(model=args.model, **engine_knobs(args)))
     name = args.served_model_name or Path(engine.model_source).name.split(".")[0]
     metrics = Metrics()
