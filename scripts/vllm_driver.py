@@ -8,6 +8,8 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               i: it, its output, then extra), "max_tokens": 8, "dtype": "float32",
               "concurrent": [[ids], ...] (sent at once, before "prompts"), "max_num_seqs": 4,
               "salts": [str | null, ...] (a cache_salt per prompt),
+              "kv_params": [{...} | null, ...] (a kv_transfer_params per prompt, as vLLM's
+              OpenAI server passes a request body's: SamplingParams.extra_args),
               "kv_bytes_per_block": N (per worker rank), "metrics": true,
               "tensor_parallel_size": 1,
               "hybrid": false (true: vLLM decides on its hybrid KV allocator),
@@ -209,8 +211,13 @@ def main() -> int:
         prompt = TokensPrompt(prompt_token_ids=ids)
         if salt is not None:
             prompt["cache_salt"] = salt
+        kv_params = spec.get("kv_params") or []
+        asks = kv_params[n] if n < len(kv_params) else None
+        sampling = params if asks is None else params.clone()
+        if asks is not None:
+            sampling.extra_args = {"kv_transfer_params": asks}
         try:
-            [r] = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+            [r] = llm.generate([prompt], sampling, use_tqdm=False, lora_request=lora)
         except Exception as e:  # a request the engine failed: report it, keep serving
             out.append({"error": f"{type(e).__name__}: {e}"[:500]})
             continue

