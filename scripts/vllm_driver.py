@@ -8,6 +8,8 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               i: it, its output, then extra), "max_tokens": 8, "dtype": "float32",
               "concurrent": [[ids], ...] (sent at once, before "prompts"), "max_num_seqs": 4,
               "salts": [str | null, ...] (a cache_salt per prompt),
+              "wait_until": {"i": [j, s]} (before prompt i: sleep until s seconds after
+              prompt j came back; the result of i says "late": true if that had passed),
               "kv_params": [{...} | null, ...] (a kv_transfer_params per prompt, as vLLM's
               OpenAI server passes a request body's: SamplingParams.extra_args),
               "kv_bytes_per_block": N (per worker rank), "metrics": true,
@@ -195,6 +197,12 @@ def main() -> int:
             drop_page_cache(spec["cold_path"])
         elif n in idle:
             time.sleep(spec["idle_s"])
+        late = None
+        if str(n) in spec.get("wait_until", {}):
+            j, after_s = spec["wait_until"][str(n)]
+            wait = out[j]["sent_at"] + out[j]["seconds"] + after_s - time.perf_counter()
+            late = wait < 0
+            time.sleep(max(0.0, wait))
         if n in reloads:  # new weights in the running engine, then (maybe) the cache reset
             llm.collective_rpc("reload_weights", kwargs={"weights_path": reloads[n]})
             if spec.get("reset"):
@@ -230,6 +238,7 @@ def main() -> int:
             "finish_reason": c.finish_reason,
             "seconds": time.perf_counter() - t,
             "sent_at": t,  # perf_counter: one clock with the connector's wake timeline
+            **({} if late is None else {"late": late}),
         })
     metrics = {}
     if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it);

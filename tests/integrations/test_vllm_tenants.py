@@ -83,3 +83,39 @@ def test_a_retained_prefix_outlives_a_noisy_tenant_and_bad_asks_are_refused(
     assert m["vllm:kvtier_tenant_evictions{tenant=noisy,tier=host}"] > 0
     assert m["vllm:kvtier_tenant_hits{tenant=victim}"] == 7
     assert not any(k.startswith("vllm:kvtier_tenant_evictions{tenant=victim") for k in m)
+
+
+RETURN_S = 30.0  # the victim's session is back after this; staged 1 s before
+TRIGGER = tokens(300, 3)  # another client's request: vLLM steps only when it has work
+EVICTORS = [tokens(1024, 200 + i) for i in range(2)]
+
+
+def test_an_expected_return_is_staged_from_disk_to_host_before_it_comes_back(
+        vllm_python: Path, smollm2_hf: Path, tmp_path: Path) -> None:
+    """Host holds 8 blocks: the flood pushes both tenants' prompt down to disk. The hinted
+    one is staged back at the first step after it is due (another client's request), so it
+    wakes from host; the other wakes from disk."""
+    reference = parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": None, "blocks": 200, "prompts": [SYSTEM, TRIGGER]},
+        env=ONE_PROCESS).stdout)["results"]
+    plan = [(SYSTEM, "victim", {"kvtier_expect_return_s": RETURN_S}), (SYSTEM, "control", None),
+            *[(p, "noisy", None) for p in EVICTORS], (TRIGGER, "other", None),
+            (SYSTEM, "victim", None), (SYSTEM, "control", None)]
+    run = parse(run_vllm(vllm_python, smollm2_hf, {
+        "prompts": [p for p, _, _ in plan], "salts": [s for _, s, _ in plan],
+        "kv_params": [a for _, _, a in plan], "blocks": 12, "max_model_len": 1152,
+        # the trigger is sent just after the hint fell due, never before
+        "wait_until": {"4": [0, RETURN_S - 0.5]},
+        "connector": {"kv_offloading_size": 0.046, "disk_kv_path": str(tmp_path / "kv"),
+                      "disk_kv_size": 0.25}}, env=ONE_PROCESS).stdout)
+    out = run["results"]
+    assert out[0]["kv_transfer_params"]["kvtier_expect_return_s"] == RETURN_S
+    assert not out[4]["late"], f"the flood took longer than {RETURN_S} s: raise RETURN_S"
+    assert out[4]["tokens"] == reference[1]["tokens"]
+    victim, control = out[-2], out[-1]
+    for r in (out[0], out[1], victim, control):
+        assert r["tokens"] == reference[0]["tokens"]
+    assert victim["kv_transfer_params"]["kvtier_residency"] == "host"
+    assert victim["kv_transfer_params"]["kvtier_restored_tokens"] == victim["cached"] == FULL
+    assert control["kv_transfer_params"]["kvtier_residency"] == "disk"
+    assert control["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
