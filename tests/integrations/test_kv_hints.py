@@ -13,7 +13,7 @@ from test_scheduler_side import BS, FAST, FP, finish_jobs
 
 from kvtier.integrations.kit.counters import tier_counters
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
-from kvtier.tier import TierConfig
+from kvtier.tier import Prefetch, TierConfig
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import TierManager, job_ids
@@ -102,3 +102,15 @@ def test_an_expect_return_hint_is_kept_until_due_then_staged_and_forgotten() -> 
     time.sleep(0.02)
     s.step([])  # due: on host already, so nothing to fetch and nothing left behind
     assert len(s.hints) == 0 and not s.hints.staging and not s.busy
+
+
+def test_a_session_back_while_its_staging_is_in_flight_asks_again_after_it_lands() -> None:
+    s = side()
+    finish(s, "a", PROMPT, "t", {"kvtier_expect_return_s": 0.02})
+    s.manager.prefetch = lambda *_: Prefetch(fetching_blocks=3)  # as if it were on disk
+    time.sleep(0.02)
+    s.step([])
+    assert set(s.hints.staging) == {"expect-a"}
+    assert s.matched_tokens("b", [*PROMPT, 1], "t", 0, tenant="t") is None
+    assert s.hints.landed("expect-a") and not s.hints.staging
+    assert s.matched_tokens("b", [*PROMPT, 1], "t", 0, tenant="t") == 12

@@ -62,7 +62,7 @@ class KvHints:
         self.manager = manager
         self._returns: list[_Return] = []  # a heap, soonest first
         self._order = itertools.count()
-        self.staging: set[str] = set()  # fetch ids whose FetchDone has not landed
+        self.staging: dict[str, frozenset[BlockKey]] = {}  # fetch id -> keys, until it lands
         self._warned: set[str] = set()  # the asks a bad value was logged for (once each)
 
     def answer(self, request_id: str, asks: Mapping[str, Any] | None, tenant: str,
@@ -114,8 +114,8 @@ class KvHints:
             found = self.manager.prefetch(hint.fetch_id, hint.keys, hint.chunks)
             if found is None:
                 retry.append(hint)
-            elif found.fetching_blocks:
-                self.staging.add(hint.fetch_id)  # its FetchDone comes back in a later step
+            elif found.fetching_blocks:  # its FetchDone comes back in a later step
+                self.staging[hint.fetch_id] = frozenset(hint.keys)
             else:
                 self.manager.finished(hint.fetch_id)
         for hint in retry:
@@ -125,9 +125,14 @@ class KvHints:
         """A FetchDone for `fetch_id`: whether it was a staging of ours (now forgotten)."""
         if fetch_id not in self.staging:
             return False
-        self.staging.discard(fetch_id)
+        del self.staging[fetch_id]
         self.manager.finished(fetch_id)
         return True
+
+    def arriving(self, keys: Sequence[BlockKey]) -> bool:
+        """Whether a staging in flight brings up one of `keys`: the session is back before
+        its staging landed, and asks again next step rather than find those blocks busy."""
+        return any(k in staged for staged in self.staging.values() for k in keys)
 
     def __len__(self) -> int:
         return len(self._returns)

@@ -94,8 +94,7 @@ class SchedulerSide:
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
                        num_computed: int, prompt_len: int | None = None,
                        tenant: str = "") -> int | None:
-        """Tokens after vLLM's own `num_computed` that kvtier can restore from host; what
-        the request stores is `tenant`'s (its quotas and counters)."""
+        """Tokens after vLLM's own `num_computed` kvtier can restore; it stores as `tenant`."""
         st = self._state(request_id, tokens, salt, prompt_len)
         st.tenant = tenant
         bs = self.block_size
@@ -107,6 +106,8 @@ class SchedulerSide:
         self._keys(st, last)
         end = last if self._partial_ok else self._whole_end(st, d, last)
         need = self._needed(d, end)
+        if self.hints.arriving([st.group_keys[g][i] for g, i in need]):  # staged: wait
+            return None
         match = self.manager.match(request_id, [st.group_keys[g][i] for g, i in need],
                                    [self._chunk(st, i) for _, i in need],
                                    compute_ahead=self._compute_ahead())
@@ -175,8 +176,7 @@ class SchedulerSide:
 
     def allocated(self, request_id: str, block_ids: Sequence[Sequence[int]],
                   external: int) -> int | None:
-        """vLLM allocated `block_ids` (one list per group); `external` of its tokens are ours
-        to load."""
+        """vLLM allocated `block_ids` (one list per group); `external` tokens are ours to load."""
         st = self.requests.get(request_id)
         if st is None:
             return None
@@ -237,8 +237,8 @@ class SchedulerSide:
 
     def _store(self, request_id: str, st: RequestState, block_ids: Sequence[Sequence[int]],
                kept: list[tuple[int, int]]) -> tuple[int, ...] | None:
-        """Hand the `kept` (group, block) to the host tier: the device blocks its job reads,
-        or None if it had no room; what it took is told to the recorder."""
+        """The `kept` (group, block) to the host tier (told the recorder): the device blocks
+        its job reads, or None if it had no room."""
         blocks = self.manager.store([block_ids[g][i] for g, i in kept],
                                     [st.group_keys[g][i] for g, i in kept],
                                     [self._chunk(st, i) for _, i in kept], tenant=st.tenant)
@@ -331,17 +331,17 @@ class SchedulerSide:
         """A finishing request's asks (`kv_hints.py`) over its full blocks: vLLM finishes it
         in its last step's update, after `step` stored them (retention finds storing ones)."""
         st = self.requests.get(request_id)
-        blocks = [] if st is None or st.stale else [
-            (g, i) for g, keys in enumerate(st.group_keys)
-            for i in range(min(st.stored, len(keys))) if self._kept(st, g, i)]
-        return self.hints.answer(request_id, asks, st.tenant if st else "",
-                                 [st.group_keys[g][i] for g, i in blocks] if st else [],
-                                 [self._chunk(st, i) for _, i in blocks] if st else [],
-                                 time.monotonic())
+        if st is None or st.stale:
+            return self.hints.answer(request_id, asks, st.tenant if st else "", [], [],
+                                     time.monotonic())
+        blocks = [(g, i) for g, keys in enumerate(st.group_keys)
+                  for i in range(min(st.stored, len(keys))) if self._kept(st, g, i)]
+        keys, chunks = [st.group_keys[g][i] for g, i in blocks], [self._chunk(st, i)
+                                                                  for _, i in blocks]
+        return self.hints.answer(request_id, asks, st.tenant, keys, chunks, time.monotonic())
 
     def finished(self, request_id: str) -> dict[str, Any]:
-        """Forget the request; what kvtier did for it (vLLM's kv_transfer_params), as the
-        tier's own outcome for it says."""
+        """Forget the request; what the tier did for it (vLLM's kv_transfer_params)."""
         outcome = self.manager.outcome(request_id)
         self.manager.finished(request_id)
         self.recorder.settled(request_id)
@@ -389,8 +389,7 @@ class SchedulerSide:
         return st
 
     def _keys(self, st: RequestState, full: int) -> None:
-        """The chain over the first `full` blocks, and each group's keys of them (extended,
-        never recomputed)."""
+        """The chain over the first `full` blocks and each group's keys (extended, not redone)."""
         have = len(st.keys)
         if full > have:
             parent = st.keys[-1] if st.keys else None
