@@ -20,7 +20,7 @@ from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
 from kvtier.engine.batch import SchedulerOutput
 from kvtier.engine.faults import EngineFaults
-from kvtier.engine.returns import ExpectedReturns
+from kvtier.engine.returns import RECHECK_S, ExpectedReturns
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier, TierClient
 from kvtier.errors import RequestError
@@ -155,12 +155,12 @@ class LLMEngine:
         return self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks, wait)
 
     def _stage_returns(self) -> None:
-        """Sessions due back soon (`kv_expect_return_s`) are staged up into host now (a
-        shared store's answer not in yet: asked again next step)."""
+        """Sessions due back soon (`kv_expect_return_s`): what of their prefix went below
+        host is staged up now, and each is watched until its return (`returns.py`)."""
         now = time.monotonic()
         for hint in self._returns.due(now):
-            if self._stage(hint.token_ids, hint.salt, wait=False).pending:
-                self._returns.add(now, STAGE_RETRY_S, hint.salt, list(hint.token_ids))
+            found = self._stage(hint.token_ids, hint.salt, wait=False)
+            self._returns.again(hint, now, STAGE_RETRY_S if found.pending else RECHECK_S)
 
     def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, refused (RequestError) where no request could

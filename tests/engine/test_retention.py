@@ -142,10 +142,13 @@ def test_an_expect_return_hint_turns_a_disk_wake_into_a_host_wake(
         tiny: LoadedModel, tmp_path: Path, reference: RequestOutput, hinted: bool) -> None:
     # The host holds 12 blocks, the disk many more: the flood pushes the session below host.
     engine = engine_of(tiny, **tiers(tmp_path, host_blocks=12, disk_kv_size=0.002))
+    gap = 3.0  # the tool call: the hint is watched from 1 s before the return
     try:
-        ask(engine, SYSTEM, "victim", expect_return_s=1.5 if hinted else None)
+        ask(engine, SYSTEM, "victim", expect_return_s=gap if hinted else None)
+        back = time.monotonic() + gap
         flood(engine, 6)
-        time.sleep(1.0)  # the tool call runs; the hint is due 1 s before the return
+        assert time.monotonic() < back - 1.2, "the flood outlasted the watch's start"
+        time.sleep(back - 0.5 - time.monotonic())
         for _ in range(3):
             engine.step()  # the idle engine's steps stage what is due
         engine.drain()

@@ -81,16 +81,18 @@ def test_a_retained_block_is_never_evicted_before_its_deadline(policy: str) -> N
 
 def test_the_host_spills_a_retained_block_only_where_a_tier_below_keeps_it() -> None:
     tenancy = Tenancy(max_retention_s=3600)
-    host = HostTier(2, "lru", tenancy=tenancy)
-    put(host, "a", 1, 2)
-    assert tenancy.retain(ks(1, 2), "a", 600).blocks == 2
+    host = HostTier(10, "lru", tenancy=tenancy)
+    put(host, "a", *range(1, 9))
+    assert tenancy.retain(ks(*range(1, 9)), "a", 600).blocks == 8  # 80%: the most allowed
+    put(host, "b", 9, 10)
     below = {ks(1)[0]}
     # Another tenant's store never pushes a's retained blocks off host, kept below or not.
-    assert host.prepare_store(ks(3), [[3]], "b", below.__contains__) is None
-    assert put(host, "a", 3, spill=below.__contains__) == ks(1)  # a's own, kept on disk
-    assert put(host, "a", 4, spill=below.__contains__) == ks(3)  # unretained first
-    assert host.prepare_store(ks(5, 6), [[5], [6]], "a", below.__contains__) is None  # not 2
-    assert tenancy.retained(ks(2)[0])
+    assert host.prepare_store(ks(20, 21, 22), [[20], [21], [22]], "b", below.__contains__) \
+        is None
+    # a's own store goes through the unretained first, then a's block that the disk keeps.
+    assert put(host, "a", 20, 21, 22, spill=below.__contains__) == ks(9, 10, 1)
+    assert tenancy.retained(ks(2)[0]) and host.lookup(ks(2)) == 1
+    host.check_invariants()
 
 
 def test_retention_refusals_say_why_and_are_counted() -> None:
@@ -106,6 +108,9 @@ def test_retention_refusals_say_why_and_are_counted() -> None:
     assert tenancy.retain(ks(3), "a", 10).refused is Refusal.QUOTA  # 3 > 2 retained
     put(host, "big", 4, 5, 6)
     assert tenancy.retain(ks(4, 5, 6), "big", 10).refused is None  # its own quota
+    put(host, "big", 7, 8)  # 5 retained of 8 slots; 7 would pass the tier's 80%
+    assert tenancy.retain(ks(7, 8), "big", 10).refused is Refusal.FULL
+    assert tenancy.counts["big"].retention_refused == {"full": 1}
     refused = tenancy.counts["a"].retention_refused
     assert refused == {"quota": 3, "over_max": 1, "not_stored": 1}
     assert tenancy.counts["a"].retention_granted == 1

@@ -57,6 +57,7 @@ class SlotTier:
         self._counts = IndexStats(capacity=num_slots)
         self.log = log if log is not None else ResidencyLog(enabled=False)
         self.tenancy = tenancy if tenancy is not None else Tenancy()
+        self.tenancy.track(self.medium, num_slots)
 
     @property
     def stats(self) -> IndexStats:

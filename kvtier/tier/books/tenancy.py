@@ -29,6 +29,9 @@ from kvtier.tier.report import TenantCounts
 OTHER = "other"  # the label of the tenants past the label cap
 DEFAULT_TENANT = "default"  # the label of blocks stored without a tenant
 MAX_FORMER = 1 << 16  # owners remembered of blocks no tier holds any more
+# Retention may pin at most this share of a tier's slots, all tenants together: the rest
+# stays a cache for everyone, with or without quotas.
+MAX_RETAINED_SHARE = 0.8
 
 
 class Refusal(str, enum.Enum):
@@ -38,6 +41,7 @@ class Refusal(str, enum.Enum):
     OVER_MAX = "over_max"  # longer than kv_retention_max_s
     QUOTA = "quota"  # the tenant's retained blocks would exceed its quota in a tier
     NOT_STORED = "not_stored"  # none of the prefix's blocks is held below the device
+    FULL = "full"  # a tier would be more than MAX_RETAINED_SHARE retained
 
     def __str__(self) -> str:
         return self.value
@@ -101,11 +105,16 @@ class Tenancy:
         saved = file.load() if file is not None else {}
         self._saved = {k: v for k, v in saved.items() if v[1] > clock()}
         self.counts: dict[str, TenantCounts] = {}
+        self.capacity: dict[str, int] = {}  # slots per tier (medium value), as each tells
         # owners of blocks that left every tier, most recent last: a block stored again
         # without a tenant (a device block written back on eviction) is its owner's again
         self._former: OrderedDict[BlockKey, str] = OrderedDict()
 
     # -- what the tiers tell ------------------------------------------------------------
+
+    def track(self, medium: Medium, num_slots: int) -> None:
+        """A slot tier of `num_slots` shares these books (told once, as it is built)."""
+        self.capacity[medium.value] = num_slots
 
     def entered(self, medium: Medium, keys: Iterable[BlockKey], tenant: str = "") -> None:
         """`keys` now have a slot on `medium`; a key new to every tier is `tenant`'s."""
@@ -218,6 +227,10 @@ class Tenancy:
             quota = self.quotas.of(tenant, Medium(medium))
             if quota is not None and counts.retained[medium] + n > quota:
                 return Refusal.QUOTA
+        for medium, n in new.items():
+            retained = sum(c.retained[medium] for c in self.counts.values())
+            if retained + n > MAX_RETAINED_SHARE * self.capacity.get(medium, 0):
+                return Refusal.FULL
         return None
 
     def expire(self) -> None:
