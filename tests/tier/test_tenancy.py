@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import ks
 
+import kvtier.tier.books.tenancy as tenancy_module
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.policy import POLICIES
 from kvtier.tier.books.retention_file import RetentionFile
@@ -171,3 +172,17 @@ def test_a_block_that_leaves_every_tier_is_forgotten() -> None:
     assert result is not None
     host.complete_store(result.keys, False)  # a failed store holds nothing
     assert tenancy.counts["a"].held["host"] == 0
+
+
+def test_made_up_tenants_cannot_grow_the_books_without_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tenancy_module, "MAX_TENANTS", 8)
+    tenancy = Tenancy(max_retention_s=60)
+    host = HostTier(4, tenancy=tenancy)
+    put(host, "kept", 1)
+    for i in range(100):  # a client that makes up a salt per request, every one refused
+        assert tenancy.retain(ks(50 + i), f"salt-{i}", 5).refused is Refusal.NOT_STORED
+    assert len(tenancy.counts) <= 8 and "kept" in tenancy.counts
+    report = tenancy.report(4)
+    assert report["other"].retention_refused["not_stored"] + sum(
+        c.retention_refused["not_stored"] for t, c in report.items() if t != "other") == 100

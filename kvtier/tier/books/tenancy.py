@@ -29,6 +29,9 @@ from kvtier.tier.report import TenantCounts
 OTHER = "other"  # the label of the tenants past the label cap
 DEFAULT_TENANT = "default"  # the label of blocks stored without a tenant
 MAX_FORMER = 1 << 16  # owners remembered of blocks no tier holds any more
+# Tenants counted by name; past this, those holding nothing are folded into one aggregate
+# (a client that makes up a cache_salt per request cannot grow these books without bound).
+MAX_TENANTS = 4096
 # Retention may pin at most this share of a tier's slots, all tenants together: the rest
 # stays a cache for everyone, with or without quotas.
 MAX_RETAINED_SHARE = 0.8
@@ -106,6 +109,7 @@ class Tenancy:
         self._saved = {k: v for k, v in saved.items() if v[1] > clock()}
         self.counts: dict[str, TenantCounts] = {}
         self.capacity: dict[str, int] = {}  # slots per tier (medium value), as each tells
+        self._past = TenantCounts()  # tenants folded away (MAX_TENANTS), reported as other
         # owners of blocks that left every tier, most recent last: a block stored again
         # without a tenant (a device block written back on eviction) is its owner's again
         self._former: OrderedDict[BlockKey, str] = OrderedDict()
@@ -267,10 +271,19 @@ class Tenancy:
         for i, (tenant, counts) in enumerate(ranked):
             label = (tenant or DEFAULT_TENANT) if i < max_labels else OTHER
             out.setdefault(label, TenantCounts()).add(counts)
+        if self._past != TenantCounts():
+            out.setdefault(OTHER, TenantCounts()).add(self._past)
         return out
 
     def _of(self, tenant: str) -> TenantCounts:
         counts = self.counts.get(tenant)
         if counts is None:
+            if len(self.counts) >= MAX_TENANTS:
+                self._fold()
             counts = self.counts[tenant] = TenantCounts()
         return counts
+
+    def _fold(self) -> None:
+        """Tenants that hold no block now are summed into `_past` and forgotten by name."""
+        for tenant in [t for t, c in self.counts.items() if not any(c.held.values())]:
+            self._past.add(self.counts.pop(tenant))
