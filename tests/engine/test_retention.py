@@ -142,7 +142,7 @@ def test_an_expect_return_hint_turns_a_disk_wake_into_a_host_wake(
         tiny: LoadedModel, tmp_path: Path, reference: RequestOutput, hinted: bool) -> None:
     # The host holds 12 blocks, the disk many more: the flood pushes the session below host.
     engine = engine_of(tiny, **tiers(tmp_path, host_blocks=12, disk_kv_size=0.002))
-    gap = 3.0  # the tool call: the hint is watched from 1 s before the return
+    gap = 5.0  # the tool call: the hint is watched from 1 s before the return
     try:
         ask(engine, SYSTEM, "victim", expect_return_s=gap if hinted else None)
         back = time.monotonic() + gap

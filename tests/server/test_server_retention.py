@@ -124,10 +124,10 @@ def test_a_retention_over_quota_is_refused_and_counted_and_bad_values_are_400(
 def test_an_expect_return_hint_stages_the_session_up_to_host(
         tmp_path: Path, reference: list[int], hinted: bool) -> None:
     proc, url = server(tmp_path, 12, 0.002)  # a small host, a larger disk
-    hint = {"kv_expect_return_s": 3.0} if hinted else {}
+    hint = {"kv_expect_return_s": 5.0} if hinted else {}
     try:
         ok(complete(url, SYSTEM, cache_salt="victim", **hint))
-        back = time.monotonic() + 3.0
+        back = time.monotonic() + 5.0
         flood(url, 6)  # pushes the session off the host, not off the disk
         assert time.monotonic() < back - 1.2, "the flood outlasted the watch's start"
         time.sleep(back - 0.3 - time.monotonic())  # the idle server stages it 1 s early

@@ -12,7 +12,7 @@ from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.policy import POLICIES
 from kvtier.tier.books.retention_file import RetentionFile
 from kvtier.tier.books.tenancy import Grant, Quotas, Refusal, Tenancy
-from kvtier.tier.keys import BlockKey
+from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.stores.disk.index import DiskTier
 
 
@@ -48,6 +48,17 @@ def test_a_tenant_over_its_quota_loses_blocks_before_one_under_it(policy: str) -
     counts = tenancy.counts
     assert counts["victim"].held["host"] == 2 and counts["noisy"].held["host"] == 4
     assert counts["noisy"].evictions["host"] == 2 and counts["victim"].evictions["host"] == 0
+    host.check_invariants()
+
+
+def test_a_tenant_storing_past_its_quota_makes_room_from_its_own_blocks(policy: str) -> None:
+    tenancy = Tenancy(Quotas(default={"host": 3}))
+    host = HostTier(8, policy, tenancy=tenancy)
+    put(host, "victim", 1, 2)  # the oldest, within quota
+    put(host, "noisy", 10, 11, 12, 13, 14, 15)  # full; noisy holds 6 > 3
+    evicted = put(host, "noisy", 16, 17, 18, 19, 20)  # would hold 11: all five are its own
+    assert set(evicted) <= set(ks(*range(10, 16))) and len(evicted) == 5
+    assert host.lookup(ks(1, 2)) == 2 and not tenancy.over(Medium.HOST, "victim")
     host.check_invariants()
 
 

@@ -103,7 +103,7 @@ class SlotTier:
         evicted: list[BlockKey] = []
         shortfall = len(new) - len(self._free)
         if shortfall > 0:
-            victims = self._victims(shortfall, set(keys), tenant, spill)
+            victims = self._victims(shortfall, set(keys), tenant, len(new), spill)
             if victims is None:
                 return None
             for key in victims:
@@ -122,8 +122,8 @@ class SlotTier:
         self.tenancy.entered(self.medium, new, tenant)
         return PrepareStoreResult(list(new), slots, evicted)
 
-    def _victims(self, n: int, batch: set[BlockKey], tenant: str, spill: Spill | None
-                 ) -> list[BlockKey] | None:
+    def _victims(self, n: int, batch: set[BlockKey], tenant: str, incoming: int,
+                 spill: Spill | None) -> list[BlockKey] | None:
         """`n` keys to evict, or None (nothing changed) if fewer can go. In order: blocks of
         tenants over their quota, then any unretained block in policy order, then (with
         `spill`) `tenant`'s own retained blocks that a tier below keeps: one tenant's store
@@ -141,15 +141,7 @@ class SlotTier:
             tenancy.owner(k) != tenant or not spill(k)))) if spill else kept
         if sum(1 for k in self._entries if not spilled(k)) < n:
             return None
-        victims: list[BlockKey] = []
-        taken: Counter[str] = Counter()
-        while tenancy.quotas and len(victims) < n:  # over quota first, one at a time
-            got = self.policy.evict(1, lambda k: kept(k) or not tenancy.over(
-                self.medium, tenancy.owner(k), taken[tenancy.owner(k)]))
-            if got is None:
-                break
-            victims += got
-            taken[tenancy.owner(got[0])] += 1
+        victims = self._over_quota(n, kept, tenant, incoming) if tenancy.quotas else []
         for skip in (kept, spilled):
             if len(victims) < n:
                 chosen = set(victims)
@@ -157,6 +149,31 @@ class SlotTier:
                 victims += self.policy.evict(min(n - len(victims), room), skip) or []
         assert len(victims) == n, "the evictable keys were counted first"
         return victims
+
+    def _over_quota(self, n: int, kept: Spill, tenant: str, incoming: int) -> list[BlockKey]:
+        """Up to `n` evictable blocks of tenants over their quota here (`tenant`'s count
+        with its `incoming` blocks), in policy order, no tenant brought below its quota;
+        one walk of the policy (an ARC that looks ahead may leave some for the later
+        passes, never break a rule)."""
+        tenancy, medium = self.tenancy, self.medium
+        evictable: Counter[str] = Counter(tenancy.owner(k) for k in self._entries
+                                          if not kept(k))
+
+        def excess_of(t: str) -> int:
+            quota = tenancy.quotas.of(t, medium)
+            held = tenancy.held(medium, t) + (incoming if t == tenant else 0)
+            return 0 if quota is None else max(0, held - quota)
+        excess = {t: e for t in evictable if (e := excess_of(t)) > 0}
+        m = min(n, sum(min(e, evictable[t]) for t, e in excess.items()))
+        taken: Counter[str] = Counter()
+
+        def fair(k: BlockKey) -> bool:  # True: not a victim of this pass
+            owner = tenancy.owner(k)
+            if kept(k) or taken[owner] >= excess.get(owner, 0):
+                return True
+            taken[owner] += 1
+            return False
+        return (self.policy.evict(m, fair) or []) if m else []
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
         """Success makes the keys visible to lookup; failure frees their slots and forgets them."""

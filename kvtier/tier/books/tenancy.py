@@ -184,12 +184,15 @@ class Tenancy:
         self.expire()
         return bool(self._deadlines)
 
-    def over(self, medium: Medium, tenant: str, taken: int = 0) -> bool:
-        """Whether `tenant` holds more than its quota on `medium`, `taken` blocks aside."""
-        quota = self.quotas.of(tenant, medium)
+    def held(self, medium: Medium, tenant: str) -> int:
+        """Blocks `tenant` holds on `medium` now."""
         counts = self.counts.get(tenant)
-        held = counts.held[medium.value] if counts is not None else 0
-        return quota is not None and held - taken > quota
+        return counts.held[medium.value] if counts is not None else 0
+
+    def over(self, medium: Medium, tenant: str) -> bool:
+        """Whether `tenant` holds more than its quota on `medium`."""
+        quota = self.quotas.of(tenant, medium)
+        return quota is not None and self.held(medium, tenant) > quota
 
     # -- retention ----------------------------------------------------------------------
 
