@@ -2,7 +2,7 @@
 params (vLLM's `kv_transfer_params`), answered in the params the request ends with:
 
   kvtier_retention_s: N        keep its full blocks N seconds (-> N granted, or
-                               "refused:<reason>": invalid, disabled, over_max, quota,
+                               "refused:<reason>": invalid, disabled, over_max, quota, full,
                                not_stored)
   kvtier_expect_return_s: N    the session comes back after about N seconds: its prefix is
                                staged up into host shortly before (-> N, or "refused:...")

@@ -62,7 +62,7 @@ LABELLED = {
                                              "room"),
     "retention_granted": (("tenant",), "Retentions granted (kvtier_retention_s in a "
                                        "request's kv_transfer_params)"),
-    "retention_refused": (("tenant", "reason"), "Retentions refused, by reason (disabled, "
+    "retention_refused": (("tenant", "reason"), "Retentions refused, by reason (disabled, full, "
                                                 "over_max, quota, not_stored)"),
 }
 
