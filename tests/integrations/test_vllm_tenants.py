@@ -85,7 +85,7 @@ def test_a_retained_prefix_outlives_a_noisy_tenant_and_bad_asks_are_refused(
     assert not any(k.startswith("vllm:kvtier_tenant_evictions{tenant=victim") for k in m)
 
 
-RETURN_S = 45.0  # the victim's session is back after this; staged 1 s before: the flood of
+RETURN_S = 20.0  # the victim's session is back after this; staged 1 s before: the flood of
 # four prompts must be done by then ("late" says if it was not), with room for a busy machine
 TRIGGER = tokens(300, 3)  # another client's request: vLLM steps only when it has work
 EVICTORS = [tokens(1024, 200 + i) for i in range(2)]
