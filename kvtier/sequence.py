@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import RequestError
-from kvtier.tier import Residency
+from kvtier.tier import MAX_EXPECT_RETURN_S, Residency
 
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's threshold)
 MAX_TEMPERATURE = 100.0  # beyond it every token is equally likely: a caller's mistake
@@ -165,9 +165,6 @@ class SwapState:
 
 RESIDENCY_CLASSES = (Residency.RESIDENT, Residency.HOST, Residency.DISK, Residency.REMOTE,
                      Residency.RECOMPUTED, Residency.NEW)  # the order reports list them in
-
-
-MAX_EXPECT_RETURN_S = 86400.0  # a session expected back later than a day is not staged
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
 from kvtier.engine.batch import SchedulerOutput
 from kvtier.engine.faults import EngineFaults
-from kvtier.engine.returns import RECHECK_S, ExpectedReturns
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.tier_client import NullTier, TierClient
 from kvtier.errors import RequestError
@@ -29,11 +28,10 @@ from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
 from kvtier.sequence import KvHints, Phase, SamplingParams, Sequence
-from kvtier.tier import BlockKey, Fingerprint, Prefetch, hash_blocks
+from kvtier.tier import BlockKey, Fingerprint, hash_blocks
 
 PromptType = str | list[int] | dict[str, Any]
 NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
-STAGE_RETRY_S = 0.05  # a staged return whose presence answer is pending is asked again
 log = logging.getLogger(__name__)
 
 
@@ -86,7 +84,6 @@ class LLMEngine:
         self.stops = StopChecker(self.tokenizer, self.max_model_len)
         self._namespaces: dict[str, BlockKey] = {}
         self._ids = itertools.count()
-        self._returns = ExpectedReturns()  # sessions due back (kv_expect_return_s)
         self.finished_outputs: list[RequestOutput] = []
         self._streaming: set[str] = set()
         self.stream_deltas: list[StreamDelta] = []
@@ -141,26 +138,13 @@ class LLMEngine:
         where. RequestError for a prompt no request could send."""
         _, token_ids = self._checked_prompt(prompt)
         self.scheduler.apply(self.tier.reap())  # what landed since the last step counts
-        found = self._stage(token_ids, cache_salt, wait=True)
-        return {"prompt_tokens": len(token_ids),
-                "blocks": len(token_ids) // self.scheduler.block_size,
-                "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
-                "from": [m.value for m in found.media]}
-
-    def _stage(self, token_ids: Seq[int], cache_salt: str, wait: bool) -> Prefetch:
-        """Bring the full blocks of `token_ids` (under `cache_salt`) up into host now."""
         bs = self.scheduler.block_size
         keys = hash_blocks(self.namespace(cache_salt), token_ids, bs)
         chunks = [token_ids[i * bs:(i + 1) * bs] for i in range(len(keys))]
-        return self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks, wait)
-
-    def _stage_returns(self) -> None:
-        """Sessions due back soon (`kv_expect_return_s`): what of their prefix went below
-        host is staged up now, and each is watched until its return (`returns.py`)."""
-        now = time.monotonic()
-        for hint in self._returns.due(now):
-            found = self._stage(hint.token_ids, hint.salt, wait=False)
-            self._returns.again(hint, now, STAGE_RETRY_S if found.pending else RECHECK_S)
+        found = self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks)
+        return {"prompt_tokens": len(token_ids), "blocks": len(keys),
+                "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
+                "from": [m.value for m in found.media]}
 
     def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, refused (RequestError) where no request could
@@ -202,8 +186,7 @@ class LLMEngine:
         tier, scheduler = self.tier, self.scheduler
         self.faults.before_step()
         scheduler.apply(tier.reap())
-        if self._returns:
-            self._stage_returns()
+        tier.stage_returns()  # sessions due back soon (kv_expect_return_s): up to host
         batch = scheduler.schedule()
         tier.submit()
         if not batch:
@@ -286,9 +269,6 @@ class LLMEngine:
                 self.stream_deltas.append(StreamDelta.of(seq, finished))
         self.scheduler.finish(done)
         for seq in done:
-            if seq.hints.expect_return_s is not None:
-                self._returns.add(time.monotonic(), seq.hints.expect_return_s, seq.cache_salt,
-                                  seq.token_ids)
             self.runner.sampler.forget(seq.request_id)
             self._streaming.discard(seq.request_id)
         return [RequestOutput.of(seq) for seq in done] + self._fail(failed)

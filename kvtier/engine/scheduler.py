@@ -324,22 +324,25 @@ class Scheduler:
 
     def _write_through(self, seq: Sequence) -> None:
         """Under `write_through`, or for a request that asked for retention, its full blocks
-        go down to host (its tenant's), and the retention is asked for them."""
+        go down to host (its tenant's), and what its hints ask is asked of them."""
         table = self.kv.tables.get(seq.request_id)
         hints = seq.hints
-        if table is None or (self.policy.kv_write_policy is not WritePolicy.WRITE_THROUGH
-                             and hints.retention_s is None):
+        if table is None:
             return
         bs = self.block_size
         full = min(len(table.keys), seq.num_computed_tokens // bs)
         cap = self.policy.max_offload_tokens
         if cap is not None:
             full = min(full, cap // bs)
+        keys = table.keys[:full]
         tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]
-        self.tier.store(table.block_ids[:full], table.keys[:full], tokens, tenant=hints.tenant)
+        if self.policy.kv_write_policy is WritePolicy.WRITE_THROUGH or \
+                hints.retention_s is not None:
+            self.tier.store(table.block_ids[:full], keys, tokens, tenant=hints.tenant)
         if hints.retention_s is not None:
-            seq.retention = self.tier.retain(table.keys[:full], hints.tenant,
-                                             hints.retention_s).value
+            seq.retention = self.tier.retain(keys, hints.tenant, hints.retention_s).value
+        if hints.expect_return_s is not None:
+            self.tier.expect(seq.request_id, keys, tokens, hints.expect_return_s)
 
     def abort(self, request_id: str) -> Sequence | None:
         fetching = self.fetching.pop(request_id, None)

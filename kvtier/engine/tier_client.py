@@ -103,14 +103,14 @@ class TierClient:
         return self.manager.match(request_id, keys, tokens, preempted, compute_ahead)
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]], wait: bool = True) -> Prefetch:
-        """Bring this prefix up into host now (with `wait`, waiting for a shared store's
-        presence answer, at most its wait; without, `pending` says to ask again)."""
+                 tokens: Sequence[Sequence[int]]) -> Prefetch:
+        """Bring this prefix up into host now (waiting for a shared store's presence
+        answer, at most its wait)."""
         found = self.manager.prefetch(request_id, keys, tokens)
-        if found is None and wait:
+        if found is None:
             self.manager.wait_presence()
             found = self.manager.prefetch(request_id, keys, tokens)
-        return found or Prefetch(pending=wait is False)
+        return found or Prefetch()
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
                   layerwise: bool, swap_in: bool) -> int | None:
@@ -145,6 +145,14 @@ class TierClient:
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
         """Keep these blocks below the device until `seconds` from now, if granted."""
         return self.manager.retain(keys, tenant, seconds)
+
+    def expect(self, request_id: str, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]], after_s: float) -> Grant:
+        """This session comes back `after_s` from now: have it on host by then."""
+        return self.manager.expect(request_id, keys, tokens, after_s)
+
+    def stage_returns(self) -> None:
+        self.manager.stage_returns()
 
     # -- the two pool policies -----------------------------------------------------------
 
@@ -304,7 +312,7 @@ class NullTier:
         return NO_MATCH
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]], wait: bool = True) -> Prefetch:
+                 tokens: Sequence[Sequence[int]]) -> Prefetch:
         return Prefetch()  # no tier: nothing is kept anywhere to bring up
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
@@ -330,6 +338,13 @@ class NullTier:
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
         return Grant(refused=Refusal.DISABLED)  # no tier (kv_offloading_size=0)
+
+    def expect(self, request_id: str, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]], after_s: float) -> Grant:
+        return Grant(refused=Refusal.DISABLED)
+
+    def stage_returns(self) -> None:
+        pass
 
     def demote_idle(self, now: float) -> None:
         pass

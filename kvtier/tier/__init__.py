@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
+from kvtier.tier.books.returns import MAX_EXPECT_RETURN_S
 from kvtier.tier.books.tenancy import Grant, Refusal
 from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, check_fits, host_slot_count
 from kvtier.tier.faults import NO_FAULTS, Faults
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FETCHING",
     "GIB",
+    "MAX_EXPECT_RETURN_S",
     "NO_FAULTS",
     "NO_MATCH",
     "SAFE_RAM_SHARE",

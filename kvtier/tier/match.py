@@ -43,7 +43,6 @@ class Prefetch:
     host_blocks: int = 0
     fetching_blocks: int = 0
     media: tuple[Medium, ...] = ()
-    pending: bool = False  # a store's presence answer is not in yet: nothing was started
 
 
 NO_MATCH = Match()

@@ -65,7 +65,7 @@ def test_a_bad_value_is_refused_invalid_and_nothing_is_retained(bad: object) -> 
     assert answers == {"kvtier_retention_s": "refused:invalid",
                        "kvtier_expect_return_s": "refused:invalid"}
     assert s.manager.report().tenants["t"].retained == {}
-    assert len(s.hints) == 0
+    assert len(s.manager.returns) == 0
 
 
 def test_refusals_come_from_the_tier_with_their_reason_and_are_counted() -> None:
@@ -93,15 +93,18 @@ def test_no_tenant_counts_as_default_and_tenant_labels_are_bounded() -> None:
     assert len(s.manager.report().tenants) == 2 and labels <= {"default", "x_y", "z", "other"}
 
 
-def test_an_expect_return_hint_is_kept_until_due_then_staged_and_forgotten() -> None:
+def test_an_expect_return_hint_is_watched_until_the_return_then_forgotten() -> None:
     s = side()
     answers = finish(s, "a", PROMPT, "t", {"kvtier_expect_return_s": 0.02})
-    assert answers == {"kvtier_expect_return_s": 0.02} and len(s.hints) == 1
+    assert answers == {"kvtier_expect_return_s": 0.02} and len(s.manager.returns) == 1
     assert finish(s, "b", [1, *PROMPT], "t", {"kvtier_expect_return_s": 1e6}) == {
         "kvtier_expect_return_s": "refused:over_max"}
     time.sleep(0.02)
     s.step([])  # due: on host already, so nothing to fetch and nothing left behind
-    assert len(s.hints) == 0 and not s.hints.staging and not s.busy
+    assert not s.manager.returns.staging and not s.busy
+    time.sleep(0.03)  # past the return (and its grace): no longer watched
+    s.step([])
+    assert len(s.manager.returns) == 0
 
 
 def test_a_session_back_while_its_staging_is_in_flight_asks_again_after_it_lands() -> None:
@@ -110,7 +113,7 @@ def test_a_session_back_while_its_staging_is_in_flight_asks_again_after_it_lands
     s.manager.prefetch = lambda *_: Prefetch(fetching_blocks=3)  # as if it were on disk
     time.sleep(0.02)
     s.step([])
-    assert set(s.hints.staging) == {"expect-a"}
+    assert set(s.manager.returns.staging) == {"expect-a"}
     assert s.matched_tokens("b", [*PROMPT, 1], "t", 0, tenant="t") is None
-    assert s.hints.landed("expect-a") and not s.hints.staging
+    assert s.manager.returns.landed("expect-a") and not s.manager.returns.staging
     assert s.matched_tokens("b", [*PROMPT, 1], "t", 0, tenant="t") == 12

@@ -37,7 +37,6 @@ Each request's wake is timed mark by mark (`wake_timeline.py`, in its kv_transfe
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -106,8 +105,6 @@ class SchedulerSide:
         self._keys(st, last)
         end = last if self._partial_ok else self._whole_end(st, d, last)
         need = self._needed(d, end)
-        if self.hints.arriving([st.group_keys[g][i] for g, i in need]):  # staged: wait
-            return None
         match = self.manager.match(request_id, [st.group_keys[g][i] for g, i in need],
                                    [self._chunk(st, i) for _, i in need],
                                    compute_ahead=self._compute_ahead())
@@ -261,7 +258,7 @@ class SchedulerSide:
         """Stores for every block that is full once this step has run (the worker copies
         them after the forward pass, before vLLM can reuse them), and all decided jobs."""
         bs = self.block_size
-        self.hints.stage(time.monotonic())  # sessions due back soon: up into host now
+        self.manager.stage_returns()  # sessions due back soon: up into host now
         for s in scheduled:
             st = self.requests.get(s.request_id)
             if st is None:
@@ -288,8 +285,6 @@ class SchedulerSide:
     def apply(self, results: Sequence[Result]) -> None:
         for event in self.manager.apply(results):
             if isinstance(event, FetchDone):
-                if self.hints.landed(event.request_id):
-                    continue  # an expect-return staging, done
                 if event.request_id in self.requests:
                     self.requests[event.request_id].timeline.fetched(event.finished_at,
                                                                      event.seconds)
@@ -332,13 +327,12 @@ class SchedulerSide:
         in its last step's update, after `step` stored them (retention finds storing ones)."""
         st = self.requests.get(request_id)
         if st is None or st.stale:
-            return self.hints.answer(request_id, asks, st.tenant if st else "", [], [],
-                                     time.monotonic())
+            return self.hints.answer(request_id, asks, st.tenant if st else "", [], [])
         blocks = [(g, i) for g, keys in enumerate(st.group_keys)
                   for i in range(min(st.stored, len(keys))) if self._kept(st, g, i)]
         keys, chunks = [st.group_keys[g][i] for g, i in blocks], [self._chunk(st, i)
                                                                   for _, i in blocks]
-        return self.hints.answer(request_id, asks, st.tenant, keys, chunks, time.monotonic())
+        return self.hints.answer(request_id, asks, st.tenant, keys, chunks)
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what the tier did for it (vLLM's kv_transfer_params)."""

@@ -13,6 +13,10 @@ Primitives, in the order a client calls them:
   prefetch(id, keys, tokens)        a prefix expected back soon: fetched up into host now
                                     (a FetchDone under `id`, then `finished(id)`)
   retain(keys, tenant, seconds)     keep a stored prefix until a deadline (-> Grant)
+  expect(id, keys, tokens, after_s) the session comes back then: watched, and what of it
+                                    goes below host is fetched back up by
+  stage_returns()                   on every step (`returns.py`; its fetches are the
+                                    manager's own, no event reaches the client)
   reset()                           the client's keys move to a new identity (its engine's
                                     weights may have changed): drop every unpinned host block
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
@@ -28,13 +32,16 @@ a deeper tier's slots in theirs): neither is evicted nor handed out again.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.fetch_up import FetchUp
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
+from kvtier.tier.books.returns import ExpectedReturns
 from kvtier.tier.books.state import PendingTransfer, RequestState
 from kvtier.tier.books.tenancy import Grant
 from kvtier.tier.config import TierConfig
@@ -69,6 +76,9 @@ class TierManager:
         self._outbox: list[Job] = []
         self._requests: dict[str, RequestState] = {}
         self._residency = residency if residency is not None else ResidencyLog(enabled=False)
+        self.returns = ExpectedReturns()  # sessions a client said come back (expect)
+        self.fetch_up = FetchUp(config, planner, below, self.load_policy, block_size,
+                                block_bytes)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -156,6 +166,8 @@ class TierManager:
         computed. None: a deeper tier's answer is pending, ask again next step. Where
         the prefix goes on below host and reading it up beats recomputing it, the fetch
         starts here and the answer is FETCHING (not yet) until it lands."""
+        if self.returns.arriving(keys):  # its prefix is being staged up: not yet
+            return None
         state = self._requests.setdefault(request_id, RequestState())
         if state.fetching:
             return FETCHING
@@ -170,8 +182,8 @@ class TierManager:
             state.checked_below = True
             if cap is not None:
                 media = media[: max(0, cap // self.block_size - hits)]
-            if self._fetch(request_id, state, keys[hits:], tokens[hits:], media,
-                           compute_ahead):
+            if self.fetch_up.for_request(request_id, state, keys[hits:], tokens[hits:], media,
+                                         lambda via: self._ahead(compute_ahead, via)):
                 return FETCHING
         if hits == 0:
             return Match(declined_by=declines(state.declined)) if state.declined else NO_MATCH
@@ -191,64 +203,25 @@ class TierManager:
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
                  tokens: Sequence[Sequence[int]]) -> Prefetch | None:
         """A client's hint that this prefix comes back soon: bring what lies below host up
-        into host now (no device blocks, no restore decision yet), bounded like any fetch by
-        the host's room and the deadline's cap. None: a store's answer is pending."""
-        hits = self.host_hits(keys, tokens)
-        if hits == len(keys) or not self.below:
-            return Prefetch(hits)
-        media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
-        if media is None:
-            return None
-        n = self._within_deadline(media)
-        if n and self._fetch_up(request_id, keys[hits:hits + n], tokens[hits:hits + n],
-                                media[:n]):
-            return Prefetch(hits, n, tuple(dict.fromkeys(media[:n])))
-        return Prefetch(hits)
+        into host now, bounded like any fetch by the host's room and the deadline's cap.
+        None: a store's answer is pending."""
+        return self.fetch_up.prefetch(request_id, keys, tokens, self.host_hits(keys, tokens))
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
         """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted
         against `tenant`'s quota: granted whole, or refused with the reason."""
         return self.host.tenancy.retain(keys, tenant, seconds)
 
-    def _fetch(self, request_id: str, state: RequestState, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], media: list[Medium], compute_ahead: int
-               ) -> bool:
-        """Start bringing the leading `media` blocks up to host if reading them beats
-        recomputing them; False if not worth it or the host has no room (those tokens are
-        then recomputed, and counted so when the request is admitted)."""
-        n = self._within_deadline(media)
-        state.declined[Decline.DEADLINE] += (len(media) - n) * self.block_size
-        if n == 0:
-            return False
-        via = self.below.deepest(media[:n]).value
-        _, reason = self.load_policy.decide(self.planner, n * self.block_size,
-                                            n * self.block_bytes,
-                                            self._ahead(compute_ahead, via), via,
-                                            via_nbytes=n * self.below.block_bytes)
-        if reason is not None:
-            state.declined[reason] += n * self.block_size
-            return False
-        if self._fetch_up(request_id, keys[:n], tokens[:n], media[:n]):
-            state.fetching = True
-            return True
-        state.declined[Decline.NO_ROOM] += n * self.block_size
-        return False
+    def expect(self, request_id: str, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]], after_s: float) -> Grant:
+        """The session of `keys` (its full blocks) comes back `after_s` from now: from
+        shortly before then, what of it went below host is fetched back up."""
+        return self.returns.expect(request_id, keys, tokens, after_s, time.monotonic())
 
-    def _within_deadline(self, media: Sequence[Medium]) -> int:
-        """How many of the leading blocks on `media` one fetch brings within the deadline's
-        cap at the predicted rate (the rest is recomputed)."""
-        return min(len(media), self.planner.blocks_within(
-            self.below.deepest(media).value, self.below.block_bytes,
-            self.config.fetch_deadline_s)) if media else 0
-
-    def _fetch_up(self, request_id: str, keys: Sequence[BlockKey],
-                  tokens: Sequence[Sequence[int]], media: Sequence[Medium]) -> bool:
-        """Start bringing `keys` (on `media`) up into host for `request_id`, its deadline
-        from the planner's prediction; False if the host had no room."""
-        via = self.below.deepest(media).value
-        return self.below.fetch(request_id, keys, tokens, media,
-                                lambda k: self.planner.fetch_s(via, k * self.below.block_bytes),
-                                self.config.fetch_deadline_s)
+    def stage_returns(self) -> None:
+        """Fetch up what went below host of the sessions due back soon (every step)."""
+        if self.returns:
+            self.returns.stage(time.monotonic(), self.prefetch)
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
                   layerwise: bool = False, exclusive: bool = False, swap_in: bool = False
@@ -354,6 +327,9 @@ class TierManager:
             done = self.below.finish(result)
             if done:
                 self._fetched(done, result)
+                if self.returns.landed(done.request_id):  # a staging: the tier's own
+                    self.finished(done.request_id)
+                    continue
                 events.append(done)
         return events
 
