@@ -137,3 +137,24 @@ def test_an_expect_return_hint_stages_the_session_up_to_host(
         stop(proc)
     assert r.headers["x-kvtier-residency"] == ("host" if hinted else "disk")
     assert body["choices"][0]["token_ids"] == reference
+
+
+@pytest.mark.parametrize("retention_s, residency", [(3600.0, "disk"), (1.0, "new")])
+def test_a_restart_keeps_unexpired_retention_and_an_expired_one_is_evictable(
+        tmp_path: Path, reference: list[int], retention_s: float, residency: str) -> None:
+    proc, url = server(tmp_path)
+    try:
+        granted = ok(complete(url, SYSTEM, cache_salt="victim", kv_retention_s=retention_s))
+    finally:
+        stop(proc)  # SIGTERM: the host goes down to disk, the deadlines beside it
+    assert granted["kvtier_retention_s"] == retention_s
+    time.sleep(1.2)  # the short retention has expired by the restart
+    proc, url = server(tmp_path)
+    try:
+        flood(url)  # another tenant fills the new process's host and disk
+        r = complete(url, TURN, cache_salt="victim")
+        body = ok(r)
+    finally:
+        stop(proc)
+    assert r.headers["x-kvtier-residency"] == residency
+    assert body["choices"][0]["token_ids"] == reference
