@@ -35,6 +35,14 @@ SHORT = [tokens(200, 10 + i) for i in range(len(BAD))]  # one full block each
 NOISY = [tokens(1024, 100 + i) for i in range(7)]  # 56 blocks: more than host and disk hold
 
 
+@pytest.fixture(scope="module")
+def reference(vllm_python: Path, smollm2_hf: Path) -> list[dict[str, Any]]:
+    """Plain vLLM's answers, once for the module: SYSTEM, CAPPED, the SHORTs, TRIGGER."""
+    return parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": None, "blocks": 200, "prompts": [SYSTEM, CAPPED, *SHORT, TRIGGER]},
+        env=ONE_PROCESS).stdout)["results"]
+
+
 def scenario(tmp_path: Path) -> dict[str, Any]:
     """The prompts, salts and asks in order, and the connector: host 45 blocks, disk 17."""
     plan = [(SYSTEM, "victim", {"kvtier_retention_s": 3600}),
@@ -51,11 +59,9 @@ def scenario(tmp_path: Path) -> dict[str, Any]:
 
 
 def test_a_retained_prefix_outlives_a_noisy_tenant_and_bad_asks_are_refused(
-        vllm_python: Path, smollm2_hf: Path, tmp_path: Path) -> None:
+        vllm_python: Path, smollm2_hf: Path, tmp_path: Path,
+        reference: list[dict[str, Any]]) -> None:
     spec = scenario(tmp_path)
-    reference = parse(run_vllm(vllm_python, smollm2_hf, {
-        "connector": None, "blocks": 200, "prompts": [SYSTEM, CAPPED, *SHORT]},
-        env=ONE_PROCESS).stdout)["results"]
     run = parse(run_vllm(vllm_python, smollm2_hf, spec, env=ONE_PROCESS).stdout)
     out, m = run["results"], run["metrics"]
     assert all("error" not in r and r["finish_reason"] == "length" for r in out), out
@@ -92,13 +98,11 @@ EVICTORS = [tokens(1024, 200 + i) for i in range(2)]
 
 
 def test_an_expected_return_is_staged_from_disk_to_host_before_it_comes_back(
-        vllm_python: Path, smollm2_hf: Path, tmp_path: Path) -> None:
+        vllm_python: Path, smollm2_hf: Path, tmp_path: Path,
+        reference: list[dict[str, Any]]) -> None:
     """Host holds 8 blocks: the flood pushes both tenants' prompt down to disk. The hinted
     one is staged back at the first step after it is due (another client's request), so it
     wakes from host; the other wakes from disk."""
-    reference = parse(run_vllm(vllm_python, smollm2_hf, {
-        "connector": None, "blocks": 200, "prompts": [SYSTEM, TRIGGER]},
-        env=ONE_PROCESS).stdout)["results"]
     plan = [(SYSTEM, "victim", {"kvtier_expect_return_s": RETURN_S}), (SYSTEM, "control", None),
             *[(p, "noisy", None) for p in EVICTORS], (TRIGGER, "other", None),
             (SYSTEM, "victim", None), (SYSTEM, "control", None)]
@@ -112,7 +116,7 @@ def test_an_expected_return_is_staged_from_disk_to_host_before_it_comes_back(
     out = run["results"]
     assert out[0]["kv_transfer_params"]["kvtier_expect_return_s"] == RETURN_S
     assert not out[4]["late"], f"the flood took longer than {RETURN_S} s: raise RETURN_S"
-    assert out[4]["tokens"] == reference[1]["tokens"]
+    assert out[4]["tokens"] == reference[-1]["tokens"]
     victim, control = out[-2], out[-1]
     for r in (out[0], out[1], victim, control):
         assert r["tokens"] == reference[0]["tokens"]
@@ -120,3 +124,26 @@ def test_an_expected_return_is_staged_from_disk_to_host_before_it_comes_back(
     assert victim["kv_transfer_params"]["kvtier_restored_tokens"] == victim["cached"] == FULL
     assert control["kv_transfer_params"]["kvtier_residency"] == "disk"
     assert control["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
+
+
+def test_a_restarted_vllm_keeps_the_retention_its_disk_was_written_with(
+        vllm_python: Path, smollm2_hf: Path, tmp_path: Path,
+        reference: list[dict[str, Any]]) -> None:
+    """vLLM A retains the victim's prompt and exits; vLLM B, on the same disk directory,
+    takes a noisy tenant's flood through host and disk: the deadline came back with the
+    block (`retention.json`), so the victim wakes from disk and the unretained copy does not."""
+    connector = scenario(tmp_path)["connector"]
+    first = [(SYSTEM, "victim", {"kvtier_retention_s": 3600}), (SYSTEM, "control", None)]
+    second = [*[(p, "noisy", None) for p in NOISY], (SYSTEM, "victim", None),
+              (SYSTEM, "control", None)]
+    runs = [parse(run_vllm(vllm_python, smollm2_hf, {
+        "prompts": [p for p, _, _ in plan], "salts": [s for _, s, _ in plan],
+        "kv_params": [a for _, _, a in plan], "blocks": POOL, "connector": connector},
+        env=ONE_PROCESS).stdout)["results"] for plan in (first, second)]
+    assert runs[0][0]["kv_transfer_params"]["kvtier_retention_s"] == 3600
+    victim, control = runs[1][-2], runs[1][-1]
+    for r in (*runs[0], victim, control):
+        assert r["tokens"] == reference[0]["tokens"]
+    assert victim["kv_transfer_params"]["kvtier_residency"] == "disk"
+    assert victim["kv_transfer_params"]["kvtier_restored_tokens"] == victim["cached"] == FULL
+    assert control["kv_transfer_params"]["kvtier_residency"] not in ("host", "disk")
