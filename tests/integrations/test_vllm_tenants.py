@@ -131,19 +131,26 @@ def test_a_restarted_vllm_keeps_the_retention_its_disk_was_written_with(
         reference: list[dict[str, Any]]) -> None:
     """vLLM A retains the victim's prompt and exits; vLLM B, on the same disk directory,
     takes a noisy tenant's flood through host and disk: the deadline came back with the
-    block (`retention.json`), so the victim wakes from disk and the unretained copy does not."""
+    block (`retention.json`), so the victim wakes from disk and the unretained copy does not;
+    a retention of one second has expired by then (vLLM B takes longer than that to start),
+    and its block went with the flood like any other."""
     connector = scenario(tmp_path)["connector"]
-    first = [(SYSTEM, "victim", {"kvtier_retention_s": 3600}), (SYSTEM, "control", None)]
-    second = [*[(p, "noisy", None) for p in NOISY], (SYSTEM, "victim", None),
-              (SYSTEM, "control", None)]
+    first = [(SYSTEM, "victim", {"kvtier_retention_s": 3600}), (SYSTEM, "control", None),
+             (SHORT[0], "brief", {"kvtier_retention_s": 1})]
+    second = [*[(p, "noisy", None) for p in NOISY], (SHORT[0], "brief", None),
+              (SYSTEM, "victim", None), (SYSTEM, "control", None)]
     runs = [parse(run_vllm(vllm_python, smollm2_hf, {
         "prompts": [p for p, _, _ in plan], "salts": [s for _, s, _ in plan],
         "kv_params": [a for _, _, a in plan], "blocks": POOL, "connector": connector},
         env=ONE_PROCESS).stdout)["results"] for plan in (first, second)]
     assert runs[0][0]["kv_transfer_params"]["kvtier_retention_s"] == 3600
-    victim, control = runs[1][-2], runs[1][-1]
-    for r in (*runs[0], victim, control):
+    assert runs[0][2]["kv_transfer_params"]["kvtier_retention_s"] == 1
+    brief, victim, control = runs[1][-3:]
+    for r in (runs[0][0], runs[0][1], victim, control):
         assert r["tokens"] == reference[0]["tokens"]
+    for r in (runs[0][2], brief):
+        assert r["tokens"] == reference[2]["tokens"]
+    assert brief["kv_transfer_params"]["kvtier_residency"] not in ("host", "disk")
     assert victim["kv_transfer_params"]["kvtier_residency"] == "disk"
     assert victim["kv_transfer_params"]["kvtier_restored_tokens"] == victim["cached"] == FULL
     assert control["kv_transfer_params"]["kvtier_residency"] not in ("host", "disk")
