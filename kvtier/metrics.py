@@ -173,6 +173,10 @@ def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
          "write_failures"),
         ("tier_blocks_fetched", "Blocks fetched up to host from a deeper tier, verified.",
          "fetched_blocks"),
+        ("tier_blocks_renewed", "Blocks a deeper tier that expires them (a TTL) was told to "
+         "keep longer: a retention granted after their write.", "renewed_blocks"),
+        ("tier_renew_failures", "Blocks a deeper tier could not be told to keep longer "
+         "(unreachable): their TTL may end before the retention.", "renew_failures"),
     ):
         counts = deep.get(key) or {}
         yield _family(CounterMetricFamily, name, doc, "tier",

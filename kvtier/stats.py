@@ -136,6 +136,7 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
         "written_blocks": dict(b.written_blocks), "written_bytes": dict(b.written_bytes),
         "write_failures": dict(b.write_failures),
         "write_failure_reasons": {str(m): n for m, n in b.write_failure_reasons.items()},
+        "renewed_blocks": dict(b.renewed_blocks), "renew_failures": dict(b.renew_failures),
         "encoding": b.encoding or None,
         "fetched_blocks": dict(b.fetched_blocks), "fetched_bytes": dict(b.fetched_bytes),
         "fetch_seconds": dict(b.fetch_seconds),

@@ -93,6 +93,9 @@ class Job:
     # a write, per key: the retention deadline (Unix time, 0: none) a store that expires its
     # blocks must keep it to (Redis: a TTL that long at least); () when no key is retained
     keep_until: tuple[float, ...] = ()
+    # a write of no bytes (host_slots empty): the stored `keys` are kept at least until
+    # `keep_until` (a retention granted after they went down to a store that expires them)
+    renew: bool = False
 
     @property
     def num_blocks(self) -> int:

@@ -86,6 +86,9 @@ class BelowReport:
     lookups_answered_absent: int  # remote presence questions a failing store answered
     # blocks a tier failed to take, by store and reason (write_failures' split)
     write_failure_reasons: Mapping[Miss, int] = field(default_factory=dict)
+    # blocks a store that expires them kept longer for a retention granted after their write
+    renewed_blocks: Mapping[str, int] = field(default_factory=dict)
+    renew_failures: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

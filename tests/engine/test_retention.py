@@ -204,3 +204,30 @@ def test_redis_keeps_a_retained_block_as_long_as_its_retention(
     assert len(ttls) == 6 + 3, ttls
     assert all(0 < t <= 30 for t in ttls[:3]), ttls  # the other tenant's: the store's TTL
     assert all(3500 < t <= 3600 for t in ttls[3:]), ttls  # the retained six: an hour
+
+
+def test_a_later_retention_renews_blocks_already_in_redis(
+        tiny: LoadedModel, redis_server: Any) -> None:
+    """A prefix written to Redis under the plain TTL, retained by a later turn that finds it
+    cached, gets its TTL stretched to the new deadline; a shorter retention never cuts it."""
+    engine = engine_of(tiny, **BASE, kv_offloading_size=0.02, remote_kv_url=redis_server.url,
+                       remote_kv_ttl_s=30.0)
+
+    def ttls() -> list[float]:
+        engine.drain()
+        with redis_server.client() as client:
+            return sorted(client.pttl(k) / 1000 for k in client.scan_iter(count=1000))
+
+    try:
+        first = ask(engine, SYSTEM, "victim")
+        assert len(ttls()) == 6 and all(0 < t <= 30 for t in ttls())
+        again = ask(engine, SYSTEM, "victim", retention_s=3600.0)
+        assert again.retention == 3600.0 and again.token_ids == first.token_ids
+        assert all(3500 < t <= 3600 for t in ttls()), ttls()
+        assert ask(engine, SYSTEM, "victim", retention_s=60.0).retention == 60.0
+        assert all(3500 < t <= 3600 for t in ttls()), ttls()
+        below = engine.tier.report().below
+        assert below is not None and below.renewed_blocks["remote"] == 12
+        assert not below.renew_failures
+    finally:
+        engine.close()

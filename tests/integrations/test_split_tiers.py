@@ -185,6 +185,30 @@ def test_two_processes_share_one_redis(tmp_path: Path, redis_server: Any) -> Non
     b.close()
 
 
+def test_a_later_retention_reaches_the_ttl_of_blocks_already_in_redis(
+        redis_server: Any) -> None:
+    """Blocks written to Redis under the plain TTL, retained by a later request that
+    restores them from host: the scheduler side's renewal travels to the worker side like
+    any job, and Redis keeps each block as long as the retention."""
+    config = TierConfig(kv_offloading_size=HOST_GIB, remote_kv_url=redis_server.url,
+                        remote_kv_ttl_s=30.0)
+    a = Half(config)
+    a.serve("a", PROMPT, [1, 2, 3, 4])
+    with redis_server.client() as client:
+        names = list(client.scan_iter(count=1000))
+        assert len(names) == 3 and all(0 < client.pttl(n) <= 30_000 for n in names)
+    assert a.matched("b", PROMPT) == 12
+    a.side.allocated("b", [[5, 6, 7, 8]], 12)
+    a.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
+    assert a.side.answer("b", {"kvtier_retention_s": 3600}) == {"kvtier_retention_s": 3600.0}
+    a.side.finished("b")
+    a.settle()
+    with redis_server.client() as client:
+        assert all(3_500_000 < client.pttl(n) <= 3_600_000 for n in names)
+    assert a.stats["renewed_blocks|remote"] == 3
+    a.close()
+
+
 def test_the_disk_file_is_left_whole_when_the_worker_closes_with_writes_queued(
         tmp_path: Path) -> None:
     config = disk(tmp_path)

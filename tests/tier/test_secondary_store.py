@@ -1,9 +1,11 @@
 """A tier below host is one class: a store kept in a dict, written to the tier's two
 protocols (`SecondaryIndex` for the bookkeeping, `SecondaryStore` for the bytes), serves a
-wake byte for byte and has a damaged block refused and dropped, with no change to the tier."""
+wake byte for byte, has a damaged block refused and dropped, and keeps blocks a later
+retention asks it to, with no change to the tier."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +16,7 @@ from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, job_ids
 from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
+from kvtier.tier.books.tenancy import Tenancy
 from kvtier.tier.io.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
 from kvtier.tier.io.store import StoreMiss
 from kvtier.tier.io.thread import TierIO
@@ -35,6 +38,7 @@ class DictTier:
 
     medium = Medium.REMOTE
     local = False
+    expires = False
     pending = False
     answered_absent = 0
     unusable_at_start: dict[str, int] = {}  # noqa: RUF012 (a test's fake)
@@ -101,15 +105,16 @@ class DictTier:
         return {"blocks": len(self.blobs)}
 
 
-def tier(store: DictTier) -> tuple[TierManager, TierWorker, torch.Tensor]:
-    """A manager and a worker over a 2-slot host pool with `store` below it, assembled from
-    the tier's parts as `wiring.build` does."""
+def tier(store: DictTier, tenancy: Tenancy | None = None
+         ) -> tuple[TierManager, TierWorker, torch.Tensor]:
+    """A manager and a worker over a 3-slot host pool with `store` below it, assembled from
+    the tier's parts as `builder.py` does."""
     kv = torch.randn(BLOCKS, 2, BS, 2, 2, 8)
     layout = KVLayout.from_contiguous(kv)
     host = HostPool.like(layout, 3)
     worker = TierWorker(host, TransferEngine(layout, host), TierIO(host, NS, [store]))
     ids = job_ids()
-    index = HostTier(host.num_slots)
+    index = HostTier(host.num_slots, tenancy=tenancy)
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=1.0,
                       tier_gbps={Medium.REMOTE.value: 10.0})
     manager = TierManager(TierConfig(kv_offloading_size=1), BS, index, Planner(cal),
@@ -175,4 +180,77 @@ def test_a_damaged_block_in_that_store_ends_the_prefix_and_leaves_it() -> None:
     assert (fetched.fetched, fetched.missed) == (1, 2)
     assert manager.report().below.misses == {Miss(Medium.REMOTE, Reason.CHECKSUM): 1}
     assert KEYS[1] not in store.blobs and KEYS[2] in store.blobs  # the bad one left, alone
+    worker.close()
+
+
+class ExpiringTier(DictTier):
+    """A store that expires blocks by itself (a TTL): it records what it is told to keep,
+    and cannot be reached for the keys in `unreachable`."""
+
+    expires = True
+
+    def __init__(self, unreachable: Sequence[BlockKey] = ()) -> None:
+        super().__init__()
+        self.unreachable = set(unreachable)
+        self.kept: dict[BlockKey, float] = {}
+
+    def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
+              ) -> list[StoreMiss | None]:
+        out: list[StoreMiss | None] = []
+        for key, until in zip(keys, keep_until):
+            if key in self.unreachable:
+                out.append(StoreMiss(Reason.UNAVAILABLE, "down"))
+            else:
+                self.kept[key] = until
+                out.append(None)
+        return out
+
+
+def retaining_tier(store: DictTier) -> tuple[TierManager, TierWorker]:
+    """`tier(store)` with retention allowed up to an hour (of at most 80% of its 3 slots)."""
+    manager, worker, _ = tier(store, Tenancy(max_retention_s=3600.0))
+    return manager, worker
+
+
+def test_a_later_retention_reaches_a_store_that_expires_blocks() -> None:
+    """Blocks written before their retention was granted are renewed in the store (the
+    deadline travels as a job of no bytes); a store that keeps everything is never asked."""
+    store = ExpiringTier()
+    manager, worker = retaining_tier(store)
+    manager.store([0, 1, 2], KEYS, CHUNKS, tenant="t")
+    settle(manager, worker)
+    assert sorted(store.blobs) == sorted(KEYS) and not store.kept
+    before = time.time()
+    grant = manager.retain(KEYS[:2], "t", 600.0)
+    assert grant.refused is None and grant.blocks == 2
+    settle(manager, worker)
+    assert sorted(store.kept) == sorted(KEYS[:2])
+    assert all(before + 600 <= until <= time.time() + 600 for until in store.kept.values())
+    report = manager.report().below
+    assert report is not None and report.renewed_blocks == {"remote": 2}
+    assert not report.renew_failures
+    worker.close()
+
+    plain = DictTier()  # expires nothing: a retention sends it nothing
+    manager, worker = retaining_tier(plain)
+    manager.store([0, 1, 2], KEYS, CHUNKS, tenant="t")
+    settle(manager, worker)
+    assert manager.retain(KEYS[:2], "t", 600.0).refused is None
+    assert not manager.take_jobs()
+    worker.close()
+
+
+def test_a_renewal_the_store_cannot_take_is_counted_and_the_retention_stands() -> None:
+    store = ExpiringTier(unreachable=KEYS[1:2])
+    manager, worker = retaining_tier(store)
+    manager.store([0, 1, 2], KEYS, CHUNKS, tenant="t")
+    settle(manager, worker)
+    assert manager.retain(KEYS[:2], "t", 600.0).refused is None
+    settle(manager, worker)
+    assert list(store.kept) == [KEYS[0]]
+    report = manager.report().below
+    assert report is not None and report.renewed_blocks == {"remote": 1}
+    assert report.renew_failures == {"remote": 1}
+    assert manager.host.tenancy.retained(KEYS[1])  # host keeps its promise regardless
+    assert manager.retain(KEYS[:2], "t", 60.0).refused is None  # and the tier goes on
     worker.close()

@@ -21,7 +21,9 @@ def tier_counters(report: TierStats, world_size: int = 1) -> dict[str, float]:
                               ("written_bytes", b.written_bytes),
                               ("write_failures", b.write_failures),
                               ("fetched_blocks", b.fetched_blocks),
-                              ("fetched_bytes", b.fetched_bytes)):
+                              ("fetched_bytes", b.fetched_bytes),
+                              ("renewed_blocks", b.renewed_blocks),
+                              ("renew_failures", b.renew_failures)):
             out.update({f"{name}|{tier}": n for tier, n in counter.items()})
         for name, counter in (("miss_blocks", b.misses),
                               ("write_failure_blocks", b.write_failure_reasons)):

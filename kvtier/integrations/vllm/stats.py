@@ -42,6 +42,10 @@ LABELLED = {
     "write_failures": (("tier",), "Blocks a tier below host failed to take (not misses)"),
     "fetched_blocks": (("tier",), "Blocks fetched into host from a tier below it, verified"),
     "fetched_bytes": (("tier",), "Bytes fetched into host from a tier below it"),
+    "renewed_blocks": (("tier",), "Blocks a tier below host that expires them (Redis's TTL) "
+                                  "was told to keep for a retention granted after their write"),
+    "renew_failures": (("tier",), "Blocks a tier below host could not be told to keep longer "
+                                  "(unreachable): their TTL may end before the retention"),
     "hook_seconds": (("hook",), "Seconds kvtier spent in each of vLLM's connector hooks (a "
                                 "worker's: the mean over its tensor-parallel ranks)"),
     "restored_blocks": (("group",), "Blocks restored into vLLM's KV cache, per KV cache group "

@@ -47,6 +47,8 @@ class BelowStats:
     fetch_seconds: Counter[str] = field(default_factory=Counter)  # the hop's I/O time
     misses: Counter[Miss] = field(default_factory=Counter)  # blocks not served
     refused: int = 0  # writes or fetches the host or disk tier had no room for
+    renewed: Counter[str] = field(default_factory=Counter)  # blocks a later retention kept
+    renew_failures: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -105,7 +107,8 @@ class BelowHost:
             misses=dict(s.misses), refused=s.refused,
             encoding=self.encoding,
             stores={t.medium.value: t.stats for t in self.tiers},
-            lookups_answered_absent=sum(t.answered_absent for t in self.tiers))
+            lookups_answered_absent=sum(t.answered_absent for t in self.tiers),
+            renewed_blocks=dict(s.renewed), renew_failures=dict(s.renew_failures))
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -151,6 +154,16 @@ class BelowHost:
                                keys=tuple(keys), tokens=tuple(tuple(t) for t in tokens),
                                media=(tier,) * len(keys), below_slots=tuple(slots),
                                keep_until=keep if any(keep) else ())))
+
+    def renew(self, keys: Sequence[BlockKey], until: Sequence[float]) -> None:
+        """A retention granted now: every store that expires blocks by itself (a TTL) keeps
+        its copies of `keys` at least until `until[i]` (those it lacks stay absent; those
+        still being written carry the deadline already)."""
+        for tier in self.tiers:
+            if tier.expires and keys:
+                self._add(_Pending(Job(next(self._ids), Medium.HOST, tier.medium, (),
+                                       keys=tuple(keys), media=(tier.medium,) * len(keys),
+                                       keep_until=tuple(until), renew=True)))
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
@@ -244,6 +257,12 @@ class BelowHost:
         """Apply a finished job; a fetch returns what its request needs to know."""
         pending = self.jobs.pop(outcome.job_id)
         t = pending.job
+        if t.renew:  # nothing held, nothing stored; a failure was logged where it happened
+            kept = sum(outcome.ok)
+            self.stats.renewed[t.dst.value] += kept
+            if kept < len(t.keys):
+                self.stats.renew_failures[t.dst.value] += len(t.keys) - kept
+            return None
         failed = [bool(r) and r != SKIPPED for r in outcome.reasons]  # not SKIPPED, not OK
         for medium, reason, bad in zip(t.media, outcome.reasons, failed):
             if bad:

@@ -210,7 +210,12 @@ class TierManager:
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
         """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted
         against `tenant`'s quota: granted whole, or refused with the reason."""
-        return self.host.tenancy.retain(keys, tenant, seconds)
+        tenancy = self.host.tenancy
+        grant = tenancy.retain(keys, tenant, seconds)
+        if grant.refused is None:  # copies already below host outlive the deadline too
+            kept = [k for k in dict.fromkeys(keys) if tenancy.deadline(k)]
+            self.below.renew(kept, [tenancy.deadline(k) for k in kept])
+        return grant
 
     def expect(self, request_id: str, keys: Sequence[BlockKey],
                tokens: Sequence[Sequence[int]], after_s: float) -> Grant:

@@ -108,13 +108,14 @@ class RemotePresence:
 
 class RemoteTier:
     """Counters and in-flight writes of a shared store on `medium`; presence comes from
-    `presence`."""
+    `presence`; `expires`: the store drops blocks by itself (a TTL)."""
 
     local = False  # presence is the store's to say
     unusable_at_start: Mapping[str, int] = MappingProxyType({})  # nothing scanned at start
 
-    def __init__(self, presence: RemotePresence, medium: Medium = Medium.REMOTE) -> None:
-        self.presence, self.medium = presence, medium
+    def __init__(self, presence: RemotePresence, medium: Medium = Medium.REMOTE,
+                 expires: bool = False) -> None:
+        self.presence, self.medium, self.expires = presence, medium, expires
         self._writing: set[BlockKey] = set()
         self._counts = IndexStats()
         self._cut_short = 0  # lookups whose run stopped at a key the store could not answer

@@ -87,6 +87,12 @@ class SecondaryIndex(Protocol):
         ...
 
     @property
+    def expires(self) -> bool:
+        """Whether the store drops blocks by itself (a TTL): a retention granted after a
+        block went down is sent on to it (`BelowHost.renew`)."""
+        ...
+
+    @property
     def pending(self) -> bool:
         """A presence question asked and not yet answered."""
         ...

@@ -44,10 +44,12 @@ class StoreSite:
     changes: ResidencyLog | None = None  # where a local index tells its residency changes
     tenancy: Tenancy | None = None  # owners and retention, shared by the manager's slot tiers
 
-    def presence_books(self, exists: ExistsFn, medium: Medium) -> RemoteTier:
+    def presence_books(self, exists: ExistsFn, medium: Medium, expires: bool = False
+                       ) -> RemoteTier:
         """The books of a store other instances write: presence asked of it (`exists`) on a
-        thread of its own, stopped by `undo` if the build fails later."""
-        books = RemoteTier(RemotePresence(exists), medium)
+        thread of its own, stopped by `undo` if the build fails later; `expires`: the store
+        drops blocks by itself (a TTL)."""
+        books = RemoteTier(RemotePresence(exists), medium, expires)
         self.undo.callback(books.close)
         return books
 

@@ -4,6 +4,7 @@
 header, verification (`block_format.check`, with the store's MAC where it has one), fault
 injection and the once-per-reason logging. A store only moves bytes:
   write(slots, headers, payloads) -> per block None or the error that kept it out
+  renew(keys, keep_until)          a retention granted later: stored blocks kept that long
   reads(keys, rows, deadline) -> BlockReads  one job's reads (a shared store fetches them in
                                    batches, receiving payloads straight into the rows where
                                    it can, and stops at the fetch's deadline: the blocks not
@@ -73,6 +74,13 @@ class SecondaryStore(Protocol):
               ) -> list[OSError | StoreMiss | None]:
         """Store the blocks; `keep_until[i]`: block i's retention deadline (Unix time, 0:
         none), which a store that expires blocks by itself must not cut short."""
+        ...
+
+    def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
+              ) -> list[StoreMiss | None]:
+        """Keep the stored `keys` at least until `keep_until[i]` (Unix time): a retention
+        granted after they were written. An absent key stays absent; a store that expires
+        nothing by itself has nothing to do."""
         ...
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],

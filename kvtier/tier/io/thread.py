@@ -2,7 +2,8 @@
 a disk file, Redis).
 
 Primitives:
-  submit(job)                  a write (host rows -> tier) or a fetch (tier -> host rows)
+  submit(job)                  a write (host rows -> tier), a fetch (tier -> host rows), or a
+                               renewal (a retention granted later reaches a store's TTLs)
   poll() -> [Result]           jobs finished since the last poll; never blocks
   wait_any()                   block until a job finishes
   wait_fetches(timeout)        block until no fetch is queued or running (an idle caller)
@@ -184,7 +185,8 @@ class TierIO:
         with self._cond:
             deadline = self._deadlines.pop(job.id, None)
         try:
-            ok, reasons, nbytes = (self._write(job) if job.src is Medium.HOST
+            ok, reasons, nbytes = (self._renew(job) if job.renew else
+                                   self._write(job) if job.src is Medium.HOST
                                    else self._fetch(job, deadline))
         except Exception as e:  # never let one job take the thread down
             n = len(job.keys)
@@ -271,6 +273,12 @@ class TierIO:
                 self._fetches_first()
         ok = [r is Reason.OK for r in reasons]
         return ok, reasons, sum(len(row) for row, good in zip(rows, ok) if good)
+
+    def _renew(self, job: Job) -> tuple[list[bool], list[Reason], int]:
+        """A retention granted after the blocks went down: the store keeps them that long."""
+        errors = self.stores[job.dst].renew(job.keys, job.keep_until)
+        reasons = [Reason.OK if e is None else self._failure(job.dst, e) for e in errors]
+        return [r is Reason.OK for r in reasons], reasons, 0
 
     # -- fetches ------------------------------------------------------------------------
 

@@ -102,6 +102,32 @@ def test_built_lazily_misses_until_the_cluster_is_up(redis_cluster_factory: Any)
         store.close()
 
 
+def test_keep_stretches_ttls_on_every_shard(redis_cluster_factory: Any) -> None:
+    """A later retention reaches each key's TTL on the shard that holds it: stretched to its
+    deadline, never shortened, an absent key left absent."""
+    cluster: LocalCluster = redis_cluster_factory(masters=3)
+    store = ClusterStore(cluster.url, NS, ttl_s=30.0)
+    try:
+        items = blocks(30)
+        keys = [k for k, _ in items]
+        store.put_many(items)
+        now = time.time()
+        assert store.keep_many([*keys[:20], b"absent"], [now + 3600] * 21) == [None] * 21
+        store.keep_many(keys[:20], [now + 60] * 20)  # shorter: kept as long as before
+
+        def pttl(key: bytes) -> int:
+            name = store.key(key)
+            with cluster.owner(name).client() as client:
+                return int(client.pttl(name))
+
+        assert all(3_500_000 < pttl(k) <= 3_600_000 for k in keys[:20])
+        assert all(0 < pttl(k) <= 30_000 for k in keys[20:])
+        assert pttl(b"absent") == -2
+        assert len({cluster.owner(store.key(k)).port for k in keys[:20]}) == 3
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("given, why", [("", "requires a password"),
                                          (":wrong-wrong@", "rejected the credentials")])
 def test_refused_credentials_are_a_config_error(redis_cluster_factory: Any, given: str,
@@ -145,6 +171,14 @@ def test_a_dead_shard_answers_its_keys_unavailable_and_only_its_keys(
             assert time.monotonic() - began < 2.0
         present = store.exists_many(keys)
         assert {i for i, p in enumerate(present) if p is None} == on_dead
+        assert store.keep_many(keys, [time.time() + 60] * 60) == [None] * 60  # no TTL
+        kept = ClusterStore(cluster.url, NS, ttl_s=30.0)
+        try:
+            renewed = kept.keep_many(keys, [time.time() + 3600] * 60)
+            assert {i for i, r in enumerate(renewed)
+                    if isinstance(r, RemoteUnavailable)} == on_dead
+        finally:
+            kept.close()
         written = store.put_many(blocks(30))
         assert 0 < sum(w is not None for w in written) < 30
         assert store.describe()["nodes_down"] == [f"127.0.0.1:{dead.port}"]

@@ -90,6 +90,28 @@ def test_ttl_expires_blocks(redis_server: RedisServer) -> None:
     assert forever.get_many([b"k"]) == [b"v"]
 
 
+def test_keep_stretches_ttls_and_never_shortens_or_creates(redis_server: RedisServer) -> None:
+    """A retention granted after a block was written reaches its TTL: stretched to the
+    deadline, never cut short, an absent key left absent, and no TTL left as none."""
+    store = RedisStore(redis_server.url, NS, ttl_s=30.0)
+    forever = RedisStore(redis_server.url, OTHER_NS)
+    store.put_many([(b"a", b"v"), (b"b", b"v")])
+    forever.put_many([(b"a", b"v")])
+    now = time.time()
+    assert store.keep_many([b"a", b"absent", b"b"], [now + 3600, now + 3600, now - 5]) \
+        == [None] * 3
+    assert forever.keep_many([b"a"], [now + 3600]) == [None]
+    assert store.keep_many([], []) == []
+    with redis_server.client() as client:
+        assert 3_590_000 < client.pttl(store.key(b"a")) <= 3_600_000
+        assert 0 < client.pttl(store.key(b"b")) <= 30_000  # a passed deadline asks nothing
+        assert client.exists(store.key(b"absent")) == 0
+        assert client.pttl(forever.key(b"a")) == -1
+    store.keep_many([b"a"], [time.time() + 60])  # a shorter deadline never shortens it
+    with redis_server.client() as client:
+        assert client.pttl(store.key(b"a")) > 3_500_000
+
+
 def test_password(redis_server_factory: Callable[..., RedisServer]) -> None:
     server = redis_server_factory(password="s3cret")
     good = RedisStore(server.url, NS)

@@ -38,6 +38,10 @@ class DiskBlocks:
             errors.append(None)
         return errors
 
+    def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
+              ) -> list[StoreMiss | None]:
+        return [None] * len(keys)  # nothing here expires by itself: the books keep retention
+
     @property
     def parallel_reads(self) -> bool:
         return not self.max_gbps  # a capped disk is paced one read at a time

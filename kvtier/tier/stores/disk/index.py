@@ -30,6 +30,7 @@ class DiskTier(SlotTier):
         self.unusable_at_start: Counter[str] = Counter(unusable_at_start or {})
 
     local = True  # its index is the truth: no one else writes the file
+    expires = False  # its books keep retention (retention.json)
     pending = False
     answered_absent = 0
 

@@ -78,6 +78,10 @@ class FsBlocks:
             errors.append(None)
         return errors
 
+    def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
+              ) -> list[StoreMiss | None]:
+        return [None] * len(keys)  # a shared directory expires nothing by itself
+
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
               deadline: float | None = None) -> _FileReads:
         return _FileReads(self, deadline)

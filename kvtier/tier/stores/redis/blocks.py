@@ -32,6 +32,7 @@ REMOTE_BATCH_BYTES = 16 << 20
 # A remote value at most this much longer than its host row lands in the row (its payload)
 # and a header buffer; the largest header any block can carry.
 REMOTE_HEADER_LIMIT = max_header_nbytes(MAX_TOKENS)
+RENEW_BATCH_KEYS = 1024  # PEXPIREs per round trip when a retention renews stored blocks
 
 
 class RemoteBlocks:
@@ -58,6 +59,22 @@ class RemoteBlocks:
                 errors[lo:] = [StoreMiss(e.reason, str(e))] * (len(items) - lo)
                 break
             for i, failed in enumerate(outcomes, lo):  # a cluster: one shard's keys only
+                if failed is not None:
+                    errors[i] = StoreMiss(failed.reason, str(failed))
+        return errors
+
+    def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
+              ) -> list[StoreMiss | None]:
+        """The keys' TTLs stretched to their deadlines, in bounded round trips."""
+        errors: list[StoreMiss | None] = [None] * len(keys)
+        for lo in range(0, len(keys), RENEW_BATCH_KEYS):
+            hi = min(lo + RENEW_BATCH_KEYS, len(keys))
+            try:
+                outcomes = self.store.keep_many(keys[lo:hi], keep_until[lo:hi])
+            except RemoteUnavailable as e:  # this batch and every later one: not renewed
+                errors[lo:] = [StoreMiss(e.reason, str(e))] * (len(keys) - lo)
+                break
+            for i, failed in enumerate(outcomes, lo):
                 if failed is not None:
                     errors[i] = StoreMiss(failed.reason, str(failed))
         return errors

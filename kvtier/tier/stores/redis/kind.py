@@ -50,12 +50,13 @@ class RedisKind:
 
     def open_both(self, site: StoreSite) -> Opened:
         blocks = self.open_bytes(site)
-        return Opened(blocks, site.presence_books(blocks.store.exists_many, self.medium),
+        return Opened(blocks, site.presence_books(blocks.store.exists_many, self.medium,
+                                                  self._expires(site)),
                       self._read_gbps(blocks.store, site))
 
     def open_books(self, site: StoreSite) -> tuple[SecondaryIndex, float]:
         store = self._connect(site)  # presence only, on a connection of the scheduler's own
-        return (site.presence_books(store.exists_many, self.medium),
+        return (site.presence_books(store.exists_many, self.medium, self._expires(site)),
                 self._read_gbps(store, site))
 
     def open_bytes(self, site: StoreSite) -> RemoteBlocks:
@@ -84,6 +85,11 @@ class RedisKind:
                                write_timeout_s=config.remote_write_timeout_s)
         site.undo.callback(store.close)
         return store
+
+    @staticmethod
+    def _expires(site: StoreSite) -> bool:
+        """Whether its blocks expire (`remote_kv_ttl_s`): a later retention renews them."""
+        return site.config.remote_kv_ttl_s is not None
 
     def _read_gbps(self, store: KeyValueStore, site: StoreSite) -> float:
         return remote_rate(store, site.slot_bytes, site.config.remote_kv_read_gbps)

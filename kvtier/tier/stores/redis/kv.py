@@ -34,6 +34,12 @@ class KeyValueStore(Protocol):
         """Store the items; `keep_until[i]` (Unix time, 0: none): item i expires no sooner."""
         ...
 
+    def keep_many(self, keys: Sequence[bytes], keep_until: Sequence[float]
+                  ) -> list[RemoteUnavailable | None]:
+        """Key i expires no sooner than `keep_until[i]` (Unix time): its TTL is stretched,
+        never shortened; an absent key stays absent, and with no TTL nothing expires."""
+        ...
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         ...
 

@@ -77,6 +77,13 @@ def expiries_ms(px: int | None, count: int, keep_until: Sequence[float]) -> list
     return [max(px, round((until - now) * 1000)) for until in keep_until]
 
 
+def renewals_ms(keep_until: Sequence[float]) -> list[tuple[int, int]]:
+    """(index, milliseconds left) of each deadline still ahead: the TTL a renewal asks for."""
+    now = time.time()
+    left = [(i, round((until - now) * 1000)) for i, until in enumerate(keep_until)]
+    return [(i, ms) for i, ms in left if ms > 0]
+
+
 def one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
@@ -190,6 +197,23 @@ class RedisStore(KeyedStore):
 
         self._call("put", put, self._writer)
         return [None] * len(items)
+
+    def keep_many(self, keys: Sequence[bytes], keep_until: Sequence[float]
+                  ) -> list[RemoteUnavailable | None]:
+        """Per key None once its TTL reaches its deadline (PEXPIRE GT: never shortened, an
+        absent key stays absent); RemoteUnavailable raised for the batch."""
+        renew = renewals_ms(keep_until) if self._px is not None else []
+        if not renew:
+            return [None] * len(keys)
+
+        def keep(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=False)
+            for i, ms in renew:
+                pipe.pexpire(self.key(keys[i]), ms, gt=True)
+            pipe.execute()
+
+        self._call("keep", keep, self._writer)
+        return [None] * len(keys)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         """Per key its value or None (absent); RemoteUnavailable raised for the batch."""
