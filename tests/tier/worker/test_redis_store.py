@@ -112,6 +112,20 @@ def test_keep_stretches_ttls_and_never_shortens_or_creates(redis_server: RedisSe
         assert client.pttl(store.key(b"a")) > 3_500_000
 
 
+def test_a_server_refusing_the_renewal_answers_per_key_and_stays_usable(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that knows no PEXPIRE GT (before Redis 7; here a flag it refuses) refuses
+    each renewal: answered per key, and the store is not taken for down."""
+    store = RedisStore(redis_server.url, NS, ttl_s=30.0)
+    store.put_many([(b"a", b"v")])
+    monkeypatch.setattr(redis.client.Pipeline, "pexpire",
+                        lambda pipe, name, ms, gt=False: pipe.execute_command(
+                            "PEXPIRE", name, ms, "NOSUCHFLAG"))
+    [refused] = store.keep_many([b"a"], [time.time() + 3600])
+    assert isinstance(refused, RemoteUnavailable) and "refused" in str(refused)
+    assert store.get_many([b"a"]) == [b"v"] and store.errors == 0
+
+
 def test_password(redis_server_factory: Callable[..., RedisServer]) -> None:
     server = redis_server_factory(password="s3cret")
     good = RedisStore(server.url, NS)

@@ -201,19 +201,24 @@ class RedisStore(KeyedStore):
     def keep_many(self, keys: Sequence[bytes], keep_until: Sequence[float]
                   ) -> list[RemoteUnavailable | None]:
         """Per key None once its TTL reaches its deadline (PEXPIRE GT: never shortened, an
-        absent key stays absent); RemoteUnavailable raised for the batch."""
+        absent key stays absent), or why the server refused it (a server before Redis 7
+        knows no GT: refused, not an outage); RemoteUnavailable raised for the batch."""
+        out: list[RemoteUnavailable | None] = [None] * len(keys)
         renew = renewals_ms(keep_until) if self._px is not None else []
         if not renew:
-            return [None] * len(keys)
+            return out
 
-        def keep(client: redis.Redis) -> None:
+        def keep(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for i, ms in renew:
                 pipe.pexpire(self.key(keys[i]), ms, gt=True)
-            pipe.execute()
+            return list(pipe.execute(raise_on_error=False))
 
-        self._call("keep", keep, self._writer)
-        return [None] * len(keys)
+        for (i, _), reply in zip(renew, self._call("keep", keep, self._writer)):
+            if isinstance(reply, Exception):
+                out[i] = RemoteUnavailable(f"remote tier {self._url_for_log} refused to "
+                                           f"keep a block: {one_line(reply)}")
+        return out
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         """Per key its value or None (absent); RemoteUnavailable raised for the batch."""
