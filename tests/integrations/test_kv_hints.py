@@ -66,6 +66,7 @@ def test_a_bad_value_is_refused_invalid_and_nothing_is_retained(bad: object) -> 
                        "kvtier_expect_return_s": "refused:invalid"}
     assert s.manager.report().tenants["t"].retained == {}
     assert len(s.manager.returns) == 0
+    assert tier_counters(s.manager.report())["retention_refused|t|invalid"] == 1
 
 
 def test_refusals_come_from_the_tier_with_their_reason_and_are_counted() -> None:

@@ -2,6 +2,7 @@
 blocks (and let the host spill them to a tier below), refusals by reason, counts per tenant,
 bounded labels, and deadlines kept across a restart."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,8 @@ def test_retention_refusals_say_why_and_are_counted() -> None:
     assert str(tenancy.retain(ks(1, 2, 3), "a", 50)) == "refused:quota"
     assert tenancy.retain(ks(1, 2), "a", 101).refused is Refusal.OVER_MAX
     assert tenancy.retain(ks(99), "a", 10).refused is Refusal.NOT_STORED
+    for bad in (None, -1.0, 0.0, math.nan, math.inf):  # no duration a client means
+        assert tenancy.retain(ks(1), "a", bad).refused is Refusal.INVALID
     assert tenancy.retain(ks(1, 2), "a", 10).refused is None  # within quota
     assert tenancy.retain(ks(3), "a", 10).refused is Refusal.QUOTA  # 3 > 2 retained
     put(host, "big", 4, 5, 6)
@@ -124,7 +127,7 @@ def test_retention_refusals_say_why_and_are_counted() -> None:
     assert tenancy.retain(ks(7, 8), "big", 10).refused is Refusal.FULL
     assert tenancy.counts["big"].retention_refused == {"full": 1}
     refused = tenancy.counts["a"].retention_refused
-    assert refused == {"quota": 3, "over_max": 1, "not_stored": 1}
+    assert refused == {"quota": 3, "over_max": 1, "not_stored": 1, "invalid": 5}
     assert tenancy.counts["a"].retention_granted == 1
     off = Tenancy(max_retention_s=0)
     HostTier(2, tenancy=off).prepare_store(ks(1), [[1]], "a")

@@ -8,7 +8,8 @@ params (vLLM's `kv_transfer_params`), answered in the params the request ends wi
                                staged up into host shortly before (-> N, or "refused:...")
 
 A value no client means (negative, zero, NaN, infinite, a bool, a string) is refused
-("refused:invalid") and the request is served anyway. Staging happens in the engine's step
+("refused:invalid"; a retention's counted with the tenant's other refusals) and the request
+is served anyway. Staging happens in the engine's step
 (`TierManager.stage_returns`): an engine that steps only when it has work (vLLM) stages a
 due hint at its next step.
 """
@@ -53,8 +54,7 @@ class KvHints:
         out: dict[str, Any] = {}
         if RETENTION in asks:
             s = self._checked(RETENTION, asks[RETENTION])
-            out[RETENTION] = (INVALID if s is None
-                              else self.manager.retain(keys, tenant, s).value)
+            out[RETENTION] = self.manager.retain(keys, tenant, s).value  # None: counted
         if EXPECT_RETURN in asks:
             s = self._checked(EXPECT_RETURN, asks[EXPECT_RETURN])
             out[EXPECT_RETURN] = (INVALID if s is None

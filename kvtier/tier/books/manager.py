@@ -207,9 +207,10 @@ class TierManager:
         None: a store's answer is pending."""
         return self.fetch_up.prefetch(request_id, keys, tokens, self.host_hits(keys, tokens))
 
-    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
+    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None) -> Grant:
         """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted
-        against `tenant`'s quota: granted whole, or refused with the reason."""
+        against `tenant`'s quota: granted whole, or refused with the reason (None: a value
+        no client means, refused as invalid)."""
         tenancy = self.host.tenancy
         grant = tenancy.retain(keys, tenant, seconds)
         if grant.refused is None:  # copies already below host outlive the deadline too

@@ -45,6 +45,7 @@ class Refusal(str, enum.Enum):
     QUOTA = "quota"  # the tenant's retained blocks would exceed its quota in a tier
     NOT_STORED = "not_stored"  # none of the prefix's blocks is held below the device
     FULL = "full"  # a tier would be more than MAX_RETAINED_SHARE retained
+    INVALID = "invalid"  # no duration a client means (negative, NaN, not a number)
 
     def __str__(self) -> str:
         return self.value
@@ -196,16 +197,16 @@ class Tenancy:
 
     # -- retention ----------------------------------------------------------------------
 
-    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
+    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None) -> Grant:
         """Keep `keys` (those a tier holds) until `seconds` from now, for `tenant`: granted
-        whole or refused whole, with the reason (`seconds` is checked by the caller: finite,
-        > 0)."""
-        assert math.isfinite(seconds) and seconds > 0, "retention seconds are checked first"
+        whole or refused whole, with the reason (`seconds` None, not finite or not > 0:
+        invalid, and counted like any refusal)."""
         counts = self._of(tenant)
         refusal = self._refusal(keys, tenant, seconds)
         if refusal is not None:
             counts.retention_refused[refusal.value] += 1
             return Grant(refused=refusal)
+        assert seconds is not None  # refused as invalid above
         until = self.clock() + seconds
         held = [k for k in dict.fromkeys(keys) if k in self._claims]
         for key in held:
@@ -219,8 +220,10 @@ class Tenancy:
         self.save()
         return Grant(seconds, blocks=len(held))
 
-    def _refusal(self, keys: Sequence[BlockKey], tenant: str, seconds: float
+    def _refusal(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None
                  ) -> Refusal | None:
+        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+            return Refusal.INVALID
         if self.max_retention_s <= 0:
             return Refusal.DISABLED
         if seconds > self.max_retention_s:
