@@ -207,13 +207,13 @@ def test_stats_count_keys_and_report_occupancy() -> None:
 def test_held_keys_are_not_evicted_and_room_counts_them(policy: str) -> None:
     tier = HostTier(3, policy)
     store(tier, 1, 2, 3)
-    assert tier.room == 3  # all complete and unpinned: a store could evict any
+    assert tier.room() == 3  # all complete and unpinned: a store could evict any
     tier.hold(ks(1, 2))  # fetched blocks waiting for their request's admission
-    assert tier.room == 1
+    assert tier.room() == 1
     assert tier.prepare_store(ks(4, 5), toks(4, 5)) is None  # only key 3 may go
     assert tier.stats.loads == 0  # a hold is not a load
     tier.release(ks(1, 2))
-    assert tier.room == 3 and tier.stats.pinned == 0
+    assert tier.room() == 3 and tier.stats.pinned == 0
     with pytest.raises(KeyError):
         tier.release(ks(1))
     with pytest.raises(KeyError):

@@ -204,12 +204,17 @@ class BelowHost:
         can make room for (the rest is recomputed); False (nothing changed) if none fit.
         `predict(n)`: the planner's seconds for the hop of the first n blocks (scored when
         the fetch lands whole, and the base of its deadline, which `cap_s` caps)."""
-        n = min(len(keys), self.host.room)
+        # A retained prefix coming back may push its owner's other retained blocks down to
+        # disk (they stay there, retained), as that tenant's stores may; nothing else's.
+        tenancy = self.host.tenancy
+        owner = tenancy.owner(keys[0]) if keys and tenancy.retained(keys[0]) else ""
+        spill = self.holds if owner else None
+        n = min(len(keys), self.host.room(owner, spill))
         keys, tokens, tiers = keys[:n], tokens[:n], tiers[:n]
         if not keys:
             self.stats.refused += 1
             return False
-        prepared = self.host.prepare_store(keys, tokens)
+        prepared = self.host.prepare_store(keys, tokens, owner, spill)
         if prepared is None or len(prepared.keys) != len(keys):
             if prepared is not None:
                 self.host.complete_store(prepared.keys, False)

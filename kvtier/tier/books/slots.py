@@ -222,14 +222,16 @@ class SlotTier:
         self.tenancy.left(self.medium, dropped)
         return len(dropped)
 
-    @property
-    def room(self) -> int:
-        """Slots a store could get now: free ones plus those holding unpinned, unretained
-        keys (a fetch is sized by it: it never pushes a retained block off)."""
+    def room(self, tenant: str = "", spill: Spill | None = None) -> int:
+        """Slots a store of `tenant`'s could get now: free ones, those holding unpinned,
+        unretained keys, and (with `spill`) those holding `tenant`'s own retained keys that
+        a tier below keeps (a fetch is sized by it: no other retained block goes)."""
         room = len(self._free) + len(self._entries) - len(self._storing) - len(self._pins)
         if self.tenancy.any_retained:
+            tenancy = self.tenancy
             room -= sum(1 for k in self._entries
-                        if not self._pinned(k) and self.tenancy.retained(k))
+                        if not self._pinned(k) and tenancy.retained(k) and not (
+                            spill and tenancy.owner(k) == tenant and spill(k)))
         return room
 
     def hold(self, keys: Sequence[BlockKey]) -> None:
