@@ -195,8 +195,8 @@ class ExpiringTier(DictTier):
         self.kept: dict[BlockKey, float] = {}
 
     def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
-              ) -> list[StoreMiss | None]:
-        out: list[StoreMiss | None] = []
+              ) -> list[OSError | StoreMiss | None]:
+        out: list[OSError | StoreMiss | None] = []
         for key, until in zip(keys, keep_until):
             if key in self.unreachable:
                 out.append(StoreMiss(Reason.UNAVAILABLE, "down"))

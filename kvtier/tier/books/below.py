@@ -159,8 +159,10 @@ class BelowHost:
         """A retention granted now: every store that expires blocks by itself (a TTL) keeps
         its copies of `keys` at least until `until[i]` (those it lacks stay absent; those
         still being written carry the deadline already)."""
+        if not keys:
+            return
         for tier in self.tiers:
-            if tier.expires and keys:
+            if tier.expires:
                 self._add(_Pending(Job(next(self._ids), Medium.HOST, tier.medium, (),
                                        keys=tuple(keys), media=(tier.medium,) * len(keys),
                                        keep_until=tuple(until), renew=True)))

@@ -214,8 +214,8 @@ class TierManager:
         tenancy = self.host.tenancy
         grant = tenancy.retain(keys, tenant, seconds)
         if grant.refused is None:  # copies already below host outlive the deadline too
-            kept = [k for k in dict.fromkeys(keys) if tenancy.deadline(k)]
-            self.below.renew(kept, [tenancy.deadline(k) for k in kept])
+            kept = {k: t for k in dict.fromkeys(keys) if (t := tenancy.deadline(k))}
+            self.below.renew(list(kept), list(kept.values()))
         return grant
 
     def expect(self, request_id: str, keys: Sequence[BlockKey],

@@ -77,7 +77,7 @@ class SecondaryStore(Protocol):
         ...
 
     def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
-              ) -> list[StoreMiss | None]:
+              ) -> list[OSError | StoreMiss | None]:
         """Keep the stored `keys` at least until `keep_until[i]` (Unix time): a retention
         granted after they were written. An absent key stays absent; a store that expires
         nothing by itself has nothing to do."""

@@ -39,7 +39,7 @@ class DiskBlocks:
         return errors
 
     def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
-              ) -> list[StoreMiss | None]:
+              ) -> list[OSError | StoreMiss | None]:
         return [None] * len(keys)  # nothing here expires by itself: the books keep retention
 
     @property

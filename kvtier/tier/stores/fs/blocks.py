@@ -79,7 +79,7 @@ class FsBlocks:
         return errors
 
     def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
-              ) -> list[StoreMiss | None]:
+              ) -> list[OSError | StoreMiss | None]:
         return [None] * len(keys)  # a shared directory expires nothing by itself
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.tier.io.block_format import (
@@ -51,33 +51,14 @@ class RemoteBlocks:
         """`keep_until`: retention deadlines, which the store's TTL never cuts short."""
         items = [(h.key, pack(h, p, self.mac)) for h, p in zip(headers, payloads)]
         keep = list(keep_until) or [0.0] * len(items)
-        errors: list[OSError | StoreMiss | None] = [None] * len(items)
-        for lo, hi in batches([len(p) for p in payloads], REMOTE_BATCH_BYTES):
-            try:
-                outcomes = self.store.put_many(items[lo:hi], keep[lo:hi])
-            except RemoteUnavailable as e:  # this batch and every later one: not stored
-                errors[lo:] = [StoreMiss(e.reason, str(e))] * (len(items) - lo)
-                break
-            for i, failed in enumerate(outcomes, lo):  # a cluster: one shard's keys only
-                if failed is not None:
-                    errors[i] = StoreMiss(failed.reason, str(failed))
-        return errors
+        return per_item(batches([len(p) for p in payloads], REMOTE_BATCH_BYTES), len(items),
+                        lambda lo, hi: self.store.put_many(items[lo:hi], keep[lo:hi]))
 
     def renew(self, keys: Sequence[BlockKey], keep_until: Sequence[float]
-              ) -> list[StoreMiss | None]:
+              ) -> list[OSError | StoreMiss | None]:
         """The keys' TTLs stretched to their deadlines, in bounded round trips."""
-        errors: list[StoreMiss | None] = [None] * len(keys)
-        for lo in range(0, len(keys), RENEW_BATCH_KEYS):
-            hi = min(lo + RENEW_BATCH_KEYS, len(keys))
-            try:
-                outcomes = self.store.keep_many(keys[lo:hi], keep_until[lo:hi])
-            except RemoteUnavailable as e:  # this batch and every later one: not renewed
-                errors[lo:] = [StoreMiss(e.reason, str(e))] * (len(keys) - lo)
-                break
-            for i, failed in enumerate(outcomes, lo):
-                if failed is not None:
-                    errors[i] = StoreMiss(failed.reason, str(failed))
-        return errors
+        return per_item(batches([1] * len(keys), RENEW_BATCH_KEYS), len(keys),
+                        lambda lo, hi: self.store.keep_many(keys[lo:hi], keep_until[lo:hi]))
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
               deadline: float | None = None) -> _RemoteReads:
@@ -114,6 +95,25 @@ class RemoteBlocks:
 
     def describe(self) -> dict[str, Any]:
         return self.store.describe()
+
+
+def per_item(ranges: Sequence[tuple[int, int]], n: int,
+             call: Callable[[int, int], Sequence[RemoteUnavailable | None]]
+             ) -> list[OSError | StoreMiss | None]:
+    """Per item of `n`, None or why the store did not take it: `call(lo, hi)` answers each
+    range per item (a cluster: one shard's keys only), and a range the store could not take
+    at all fails it and every later one."""
+    errors: list[OSError | StoreMiss | None] = [None] * n
+    for lo, hi in ranges:
+        try:
+            outcomes = call(lo, hi)
+        except RemoteUnavailable as e:
+            errors[lo:] = [StoreMiss(e.reason, str(e))] * (n - lo)
+            break
+        for i, failed in enumerate(outcomes, lo):
+            if failed is not None:
+                errors[i] = StoreMiss(failed.reason, str(failed))
+    return errors
 
 
 class _RemoteReads:

@@ -47,8 +47,6 @@ from kvtier.tier.stores.redis.store import (
     KeyedStore,
     auth_message,
     expiries_ms,
-    one_line,
-    renewals_ms,
     timed_out,
     with_deadline_misses,
 )
@@ -101,26 +99,11 @@ class ClusterStore(KeyedStore):
         out = self._batch("put", names, pipelined(put, self._writers), write=True)
         return [v if isinstance(v, RemoteUnavailable) else None for v in out]
 
-    def keep_many(self, keys: Sequence[bytes], keep_until: Sequence[float]
-                  ) -> list[RemoteUnavailable | None]:
-        """Per key None once its TTL reaches its deadline (PEXPIRE GT: never shortened, an
-        absent key stays absent), or why its shard did not take it."""
-        out: list[RemoteUnavailable | None] = [None] * len(keys)
-        renew = renewals_ms(keep_until) if self._px is not None else []
-        if not renew:
-            return out
-        names = [self.key(keys[i]) for i, _ in renew]
+    def _expire_gt(self, names: Sequence[bytes], ms: Sequence[int]) -> list[Any]:
+        def keep(pipe: Any, i: int) -> None:
+            pipe.pexpire(names[i], ms[i], gt=True)
 
-        def keep(pipe: Any, j: int) -> None:
-            pipe.pexpire(names[j], renew[j][1], gt=True)
-
-        replies = self._batch("keep", names, pipelined(keep, self._writers), write=True)
-        for (i, _), reply in zip(renew, replies):
-            if isinstance(reply, RemoteUnavailable):
-                out[i] = reply
-            elif isinstance(reply, Exception):  # the node refused the command itself
-                out[i] = RemoteUnavailable(f"remote tier keep failed: {one_line(reply)}")
-        return out
+        return self._batch("keep", names, pipelined(keep, self._writers), write=True)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         """Per key its value, None (absent) or why its shard did not answer."""

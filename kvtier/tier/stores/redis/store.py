@@ -126,6 +126,29 @@ class KeyedStore(ABC):
     def check(self) -> None:
         """ConfigError on bad credentials, RemoteUnavailable if the store does not answer."""
 
+    def keep_many(self, keys: Sequence[bytes], keep_until: Sequence[float]
+                  ) -> list[RemoteUnavailable | None]:
+        """Per key None once its TTL reaches its deadline (PEXPIRE GT: never shortened, an
+        absent key stays absent), or why it was not: its shard did not answer, or the
+        server refused the command (before Redis 7 it knows no GT: refused, not an outage);
+        RemoteUnavailable raised for a whole batch one server could not take."""
+        out: list[RemoteUnavailable | None] = [None] * len(keys)
+        renew = renewals_ms(keep_until) if self._px is not None else []  # no TTL: kept
+        if not renew:
+            return out
+        replies = self._expire_gt([self.key(keys[i]) for i, _ in renew], [ms for _, ms in renew])
+        for (i, _), reply in zip(renew, replies):
+            if isinstance(reply, RemoteUnavailable):
+                out[i] = reply
+            elif isinstance(reply, Exception):
+                out[i] = RemoteUnavailable(f"remote tier {self._url_for_log} refused to "
+                                           f"keep a block: {one_line(reply)}")
+        return out
+
+    @abstractmethod
+    def _expire_gt(self, names: Sequence[bytes], ms: Sequence[int]) -> list[Any]:
+        """Each name's reply to `PEXPIRE name ms GT`, an exception object where refused."""
+
     def ping(self) -> bool:
         """Whether the store answers now; never raises."""
         try:
@@ -198,27 +221,14 @@ class RedisStore(KeyedStore):
         self._call("put", put, self._writer)
         return [None] * len(items)
 
-    def keep_many(self, keys: Sequence[bytes], keep_until: Sequence[float]
-                  ) -> list[RemoteUnavailable | None]:
-        """Per key None once its TTL reaches its deadline (PEXPIRE GT: never shortened, an
-        absent key stays absent), or why the server refused it (a server before Redis 7
-        knows no GT: refused, not an outage); RemoteUnavailable raised for the batch."""
-        out: list[RemoteUnavailable | None] = [None] * len(keys)
-        renew = renewals_ms(keep_until) if self._px is not None else []
-        if not renew:
-            return out
-
+    def _expire_gt(self, names: Sequence[bytes], ms: Sequence[int]) -> list[Any]:
         def keep(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for i, ms in renew:
-                pipe.pexpire(self.key(keys[i]), ms, gt=True)
+            for name, left in zip(names, ms):
+                pipe.pexpire(name, left, gt=True)
             return list(pipe.execute(raise_on_error=False))
 
-        for (i, _), reply in zip(renew, self._call("keep", keep, self._writer)):
-            if isinstance(reply, Exception):
-                out[i] = RemoteUnavailable(f"remote tier {self._url_for_log} refused to "
-                                           f"keep a block: {one_line(reply)}")
-        return out
+        return self._call("keep", keep, self._writer)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | RemoteUnavailable | None]:
         """Per key its value or None (absent); RemoteUnavailable raised for the batch."""
