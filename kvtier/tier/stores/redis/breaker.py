@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 
 
 class Breaker:
@@ -53,3 +54,30 @@ class Breaker:
             if self._open_until is None:
                 return 0.0
             return max(0.0, self._open_until - time.monotonic())
+
+
+class NodeBreakers:
+    """One `Breaker` per node of a cluster, made on first use; thread-safe."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._by_node: dict[str, Breaker] = {}  # node name -> its breaker
+
+    def of(self, name: str) -> Breaker:
+        with self._lock:
+            breaker = self._by_node.get(name)
+            if breaker is None:
+                breaker = self._by_node[name] = Breaker(self.retry_after_s)
+            return breaker
+
+    def down(self) -> list[str]:
+        """The nodes whose breaker is open, by name."""
+        with self._lock:
+            breakers = list(self._by_node.items())
+        return sorted(name for name, b in breakers if b.is_open)
+
+    def keep(self, serving: Collection[str]) -> None:
+        """Forget the nodes that left the slot map: they are gone, not down."""
+        with self._lock:
+            self._by_node = {k: b for k, b in self._by_node.items() if k in serving}

@@ -31,7 +31,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError
 
 from kvtier.errors import ConfigError
-from kvtier.tier.stores.redis.breaker import Breaker
+from kvtier.tier.stores.redis.breaker import Breaker, NodeBreakers
 from kvtier.tier.stores.redis.cluster_client import (
     CLUSTER_EXAMPLE,
     OUTAGES,
@@ -75,7 +75,7 @@ class ClusterStore(KeyedStore):
         self._client: RedisCluster | None = None
         self._building = False
         self._reach = Breaker(retry_after_s)  # the cluster as a whole (building the client)
-        self._breakers: dict[str, Breaker] = {}  # node name -> its breaker
+        self._nodes = NodeBreakers(retry_after_s)
         self._refreshed_at = 0.0
         self._turn = itertools.count()  # spreads reads over a slot's nodes
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="kvtier-cluster")
@@ -170,9 +170,7 @@ class ClusterStore(KeyedStore):
             client.close()
 
     def describe(self) -> dict[str, Any]:
-        with self._lock:
-            down = sorted(name for name, b in self._breakers.items() if b.is_open)
-        return {**super().describe(), "nodes_down": down}
+        return {**super().describe(), "nodes_down": self._nodes.down()}
 
     # -- one batch -----------------------------------------------------------------------
 
@@ -186,7 +184,7 @@ class ClusterStore(KeyedStore):
         # While a node is down, its replica may take its slots: re-read the map (at most
         # once per retry_after_s) before probing it. Replicas appear in CLUSTER SLOTS only
         # once they hold data, so the map is re-read now and then anyway.
-        if self._any_down() or time.monotonic() - self._refreshed_at > TOPOLOGY_REFRESH_S:
+        if self._nodes.down() or time.monotonic() - self._refreshed_at > TOPOLOGY_REFRESH_S:
             self._refresh(client)
         out: list[Any] = [None] * len(names)
         groups = self._route(client, range(len(names)), names, write, out)
@@ -224,7 +222,7 @@ class ClusterStore(KeyedStore):
             candidates = owners if self._read_replicas and not write else owners[:1]
             node = self._pick(candidates, allowed)
             if node is None:
-                breaker = self._breaker(owners[0].name)
+                breaker = self._nodes.of(owners[0].name)
                 out[i] = RemoteUnavailable(
                     f"remote tier {self._url_for_log}: node {owners[0].name} unavailable "
                     f"(retry in {breaker.retry_in():.1f}s): {self.last_error}")
@@ -239,7 +237,7 @@ class ClusterStore(KeyedStore):
             node = candidates[(start + k) % len(candidates)]
             ok = allowed.get(node.name)
             if ok is None:
-                ok = allowed[node.name] = self._breaker(node.name).allow()
+                ok = allowed[node.name] = self._nodes.of(node.name).allow()
             if ok:
                 return node
         return None
@@ -288,7 +286,7 @@ class ClusterStore(KeyedStore):
     def _guarded(self, what: str, node: ClusterNode, call: Callable[[], list[Any]]
                  ) -> list[Any] | RemoteUnavailable:
         """The node's replies; a RemoteUnavailable (its breaker opened) if it failed."""
-        breaker = self._breaker(node.name)
+        breaker = self._nodes.of(node.name)
         try:
             replies = call()
         except redis.DataError:
@@ -315,7 +313,7 @@ class ClusterStore(KeyedStore):
         asking: set[int] = set()
         for i, e in redirects.items():
             node = client.nodes_manager.get_node(host=e.host, port=e.port)
-            if node is None or self._breaker(node.name).is_open:
+            if node is None or self._nodes.of(node.name).is_open:
                 out[i] = RemoteUnavailable(f"remote tier {self._url_for_log}: slot {e.slot_id} "
                                            f"moved to {e.host}:{e.port}, not reachable now")
                 continue
@@ -372,24 +370,11 @@ class ClusterStore(KeyedStore):
             return False
         serving = {n.name for owners in client.nodes_manager.slots_cache.values()
                    for n in owners}
-        with self._lock:  # a node that left the map is no longer "down": it is gone
-            self._breakers = {k: b for k, b in self._breakers.items() if k in serving}
+        self._nodes.keep(serving)
         for nodes in (self._readers, self._writers):
             if nodes is not None:
                 nodes.keep(serving)
         return True
-
-    def _any_down(self) -> bool:
-        with self._lock:
-            breakers = list(self._breakers.values())
-        return any(b.is_open for b in breakers)
-
-    def _breaker(self, name: str) -> Breaker:
-        with self._lock:
-            breaker = self._breakers.get(name)
-            if breaker is None:
-                breaker = self._breakers[name] = Breaker(self._retry_after_s)
-            return breaker
 
     def _on_nodes(self, client: RedisCluster, nodes: Sequence[ClusterNode],
                   call: Callable[[redis.Redis], Any]) -> dict[str, Any]:
@@ -397,7 +382,7 @@ class ClusterStore(KeyedStore):
         RemoteUnavailable."""
         answers: dict[str, Any] = {}
         for node in nodes:
-            if not self._breaker(node.name).allow():
+            if not self._nodes.of(node.name).allow():
                 answers[node.name] = RemoteUnavailable(f"node {node.name} down")
                 continue
             answers[node.name] = self._guarded(
