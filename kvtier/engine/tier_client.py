@@ -12,15 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig, OffloadPolicy, WritePolicy
-from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
+from kvtier.engine.batch import SchedulerOutput
+from kvtier.engine.prefill_rate import measure_prefill
 from kvtier.errors import ConfigError
 from kvtier.model.runner import ModelRunner
-from kvtier.sequence import SamplingParams
-from kvtier.sequence import Sequence as Request
 from kvtier.tier import (
     NO_MATCH,
     BlockKey,
@@ -39,7 +36,6 @@ from kvtier.tier import (
     build,
 )
 
-CALIBRATION_PREFILL_TOKENS = 256
 PREFILL_OBSERVE_TOKENS = 64  # steps with at least this much prefill refine the planner
 
 
@@ -384,18 +380,3 @@ class NullTier:
 
     def close(self) -> None:
         pass
-
-
-def measure_prefill(runner: ModelRunner) -> float:
-    """Prefill tokens per second on this machine (the planner's starting recompute speed)."""
-    tokens = min(CALIBRATION_PREFILL_TOKENS, runner.num_blocks * runner.block_size - 1)
-    seq = Request("calibration", [1 + (i * 7) % 50 for i in range(tokens)],
-                  SamplingParams(max_tokens=1, temperature=0.0))
-    used = list(range(-(-tokens // runner.block_size)))
-    chunk = ScheduledSeq(seq, 0, tokens, used)
-    runner.execute([chunk])  # warm-up
-    start = time.perf_counter()
-    runner.execute([chunk])
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - start)
