@@ -37,16 +37,21 @@ def tiers(tmp_path: Path, redis_server: RedisServer) -> dict[str, Any]:
 
 def serve_a(python: Path, model: Path, connector: dict[str, Any] | None, digests: Path,
             evict_and_wake: bool = False, tokens: int = 1024, blocks: int = POOL,
-            **spec: Any) -> dict[str, Any]:
-    """One vLLM process serving prompt A of `tokens` (then, with `evict_and_wake`, evicting
-    it from a pool of `blocks` and serving it again: "again" is that second answer); its
-    result and kvtier's metrics."""
-    every = prompts(n_evictors=3 if tokens < 1024 else 4, tokens=tokens)
-    asked = every if evict_and_wake else every[:1]
+            hit: bool = False, **spec: Any) -> dict[str, Any]:
+    """One vLLM process serving prompt A of `tokens`; with `hit`, A again at once ("hit":
+    vLLM's own prefix hit, the reference for an answer restored over a cached prefix, see
+    `vllm_run.prompts`); with `evict_and_wake`, then evicting it from a pool of `blocks` and
+    serving it again ("again": the last answer). Its result and kvtier's metrics."""
+    a, *others = prompts(n_evictors=3 if tokens < 1024 else 4, tokens=tokens)
+    asked = [a, *([a] if hit else []), *(others if evict_and_wake else [])]
     run = parse(run_vllm(python, model, {"connector": connector, "blocks": blocks,
                                          "prompts": asked, "metrics": True, **spec},
                          env={**ONE_PROCESS, "KVTIER_CACHE_DIR": str(digests)}).stdout)
-    return {**run["results"][0], "again": run["results"][-1], "metrics": run["metrics"]}
+    out = run["results"]
+    if hit:
+        assert out[1]["cached"] == (tokens // 128 - 1) * 128, "A's repeat missed vLLM's cache"
+    return {**out[0], "hit": out[1] if hit else None, "again": out[-1],
+            "metrics": run["metrics"]}
 
 
 def assert_written_down(run: dict[str, Any]) -> None:
