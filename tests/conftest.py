@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["redis_server", "redis_cluster"]
 
-# CI replays the same examples every run (a failure there is reproducible from the log);
-# local runs keep exploring new ones.
-settings.register_profile("ci", derandomize=True, print_blob=True)
+# CI replays the same examples every run (a failure there is reproducible from the log) and
+# none that an earlier run saved; local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
@@ -108,11 +108,17 @@ def tiny() -> LoadedModel:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Weight digests are cached per user (kvtier.model.digest): the suite keeps its own
-    cache, so it neither reads nor writes the developer's (vLLM subprocesses inherit it)."""
-    if "KVTIER_CACHE_DIR" not in os.environ:
-        import tempfile
+    cache, new at every run, so it neither reads nor writes the developer's, whatever the
+    shell exports (vLLM subprocesses inherit it), and leaves nothing for a later run."""
+    import tempfile
 
-        os.environ["KVTIER_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
+    os.environ["KVTIER_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    shutil.rmtree(os.environ["KVTIER_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_report_header() -> str:
