@@ -2,16 +2,26 @@
 written whole to a temporary name and renamed, so a reader sees a whole block or none.
 
 A file's bytes are the same as a Redis value's (header, then payload; the header signed
-under the deployment's secret): the payload is read straight into its host row, and a file
-of any other size is read whole and fails verification like any damaged block. Nothing here
+under the deployment's secret): the payload is read straight into its host row. Nothing here
 evicts: the directory's owner bounds it (a quota, a cron job, the filesystem's own policy);
 a write that finds it full fails alone and is counted.
+
+Whoever else can write the directory (the MAC stops forged blocks, not files) must not steer
+the serving user's I/O. Writes go through directories opened without following a link, to a
+random temporary name created exclusively (`O_EXCL | O_NOFOLLOW`), renamed within the same
+directory: no planted link sends a write outside the store. A read opens without following
+a link and without blocking (a FIFO answers at once) and takes only a regular file of a
+block's size, header and one row; anything else is a `size` miss, read no further (a 1 GiB
+file costs a `stat`), and removed like any bad block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +36,6 @@ from kvtier.tier.io.block_format import (
     decode_whole_header,
     max_header_nbytes,
     pack,
-    unpack,
 )
 from kvtier.tier.io.block_mac import BlockMac
 from kvtier.tier.io.store import StoreMiss
@@ -41,6 +50,7 @@ class BlockFiles:
     """Where each block's file is: one directory per namespace, 256 subdirectories."""
 
     def __init__(self, root: Path, namespace: bytes) -> None:
+        self.root = root
         self.dir = root / namespace.hex()
 
     def path(self, key: BlockKey) -> Path:
@@ -87,18 +97,29 @@ class FsBlocks:
         return _FileReads(self, deadline)
 
     def read(self, key: BlockKey, out: memoryview) -> tuple[BlockHeader, Buffer]:
-        """The block's header and payload (in `out` where the file is header + one row)."""
+        """The block's header, and its payload read into `out`."""
         try:
-            f = open(self.files.path(key), "rb", buffering=0)  # noqa: SIM115 (closed below)
+            fd = os.open(self.files.path(key),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise StoreMiss(Reason.MISSING, "absent") from None
-        with f:
-            extra = os.fstat(f.fileno()).st_size - len(out)
-            if 0 < extra <= HEADER_LIMIT:
-                header = _read_exactly(f, memoryview(bytearray(extra)))
-                _read_exactly(f, out)
-                return decode_whole_header(header), out
-            return unpack(f.read())
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptBlock(Reason.SIZE, "a symbolic link where a block file "
+                                                "belongs") from None
+            raise
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            extra = st.st_size - len(out)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptBlock(Reason.SIZE, f"not a regular file (mode "
+                                                f"{stat.filemode(st.st_mode)})")
+            if not 0 < extra <= HEADER_LIMIT:
+                raise CorruptBlock(Reason.SIZE, f"a {st.st_size}-byte file where a block is "
+                                                f"{len(out)} bytes and a header")
+            header = _read_exactly(f, memoryview(bytearray(extra)))
+            _read_exactly(f, out)
+            return decode_whole_header(header), out
 
     def discard(self, key: BlockKey, slot: int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -115,26 +136,45 @@ class FsBlocks:
                 "last_error": self.last_error}
 
     def _write(self, path: Path, blob: bytes) -> None:
-        """`blob` under a temporary name in `path`'s directory, then renamed over `path`."""
-        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        """`blob` under a new random name in `path`'s directory, then renamed over `path`."""
+        directory = self._open_dir(path.parent)
+        tmp = f".{path.name}.{secrets.token_hex(8)}"
         try:
-            view = memoryview(blob)
-            while view:
-                view = view[os.write(fd, view):]
-            if self.fsync:
-                os.fsync(fd)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY
+                         | os.O_CLOEXEC, 0o600, dir_fd=directory)
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+        finally:
+            os.close(directory)
+
+    def _open_dir(self, directory: Path) -> int:
+        """A descriptor of `directory` (below the store's root, made where absent), each step
+        below the root opened without following a link: a link planted there is an error."""
+        self.files.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        fd = os.open(self.files.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in directory.relative_to(self.files.root).parts:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, DIR_MODE, dir_fd=fd)
+                below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = below
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        return fd
 
     def note_error(self, e: OSError) -> None:
         """Count a failed read or write (its reason is the job's to report)."""
