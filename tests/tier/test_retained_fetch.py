@@ -80,3 +80,20 @@ def test_another_tenants_retained_blocks_never_make_room() -> None:
     assert declined is not None and not declined.load_keys  # recomputed, and said why
     assert m.host.lookup(KEYS[Y]) == 4
     assert dict(declined.declined_by) == {Decline.NO_ROOM: 16}
+
+
+def test_a_reset_releases_every_retention_it_made_unreachable() -> None:
+    # X and Y retained on disk (Y on host too); a cache reset (new weights) drops the host's
+    # blocks and ends both retentions: the disk keeps the blocks, pinned by nobody, counted
+    # retained nowhere, and a burst may now evict them.
+    m = manager()
+    stored(m, X, "a", True)
+    stored(m, Y, "b", True)
+    tenancy = m.host.tenancy
+    assert tenancy.counts["a"].retained["disk"] == 4 and tenancy.any_retained
+    assert m.reset() == 8
+    assert not tenancy.any_retained
+    assert not any(tenancy.retained(k) for k in KEYS[:8])
+    assert sum(tenancy.counts["a"].retained.values()) == 0
+    assert sum(tenancy.counts["b"].retained.values()) == 0
+    assert all(m.below.holds(k) for k in KEYS[:8])  # down, not away

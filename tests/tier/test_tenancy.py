@@ -167,6 +167,26 @@ def test_a_restart_keeps_unexpired_retention(tmp_path: Path) -> None:
     assert disk2.prepare_store(ks(7, 8, 9), [[7], [8], [9]]) is not None
 
 
+@pytest.mark.parametrize("max_s, kept_s", [(3600, 600), (60, 60), (0, None)])
+def test_saved_retention_is_bounded_by_the_knobs_in_force_at_the_restart(
+        tmp_path: Path, max_s: float, kept_s: float | None) -> None:
+    # A day's retention is saved; the operator restarts with kv_retention_max_s lowered to
+    # a minute, or to 0 (retention off): the block comes back retained at most that long.
+    clock = Clock()
+    first = Tenancy(max_retention_s=3600, file=RetentionFile(tmp_path), clock=clock)
+    put(DiskTier(4, tenancy=first), "a", 1)
+    assert first.retain(ks(1), "a", 600).blocks == 1
+    first.save()
+    second = Tenancy(max_retention_s=max_s, file=RetentionFile(tmp_path), clock=clock)
+    DiskTier(4, tenancy=second).adopt([(0, ks(1)[0], [1])])
+    assert second.owner(ks(1)[0]) == "a"  # its owner either way
+    assert second.counts["a"].retained["disk"] == (0 if kept_s is None else 1)
+    clock.now += (kept_s or 0) - 1
+    assert second.retained(ks(1)[0]) == (kept_s is not None)
+    clock.now += 2
+    assert not second.retained(ks(1)[0])
+
+
 def test_a_damaged_retention_file_is_logged_and_ignored(tmp_path: Path,
                                                         caplog: pytest.LogCaptureFixture
                                                         ) -> None:

@@ -274,7 +274,9 @@ class TierManager:
     def reset(self) -> int:
         """Drop every host block no job pins (no key of the old identity is asked for again,
         so their room is better given back now); how many were dropped. Blocks below host
-        stay: a process on the weights they were computed with may still find them."""
+        stay, a process on the weights they were computed with may still find them, but no
+        longer retained: no request here can ask for them, so they pin nothing."""
+        self.host.tenancy.release_all()
         return self.host.remove(self.host.complete_keys())
 
     def forget(self, keys: Sequence[BlockKey]) -> None:

@@ -106,8 +106,13 @@ class Tenancy:
         self.file = file
         self._claims: dict[BlockKey, _Claim] = {}
         self._deadlines: list[tuple[float, BlockKey]] = []  # a heap, checked lazily
+        # What a previous process saved, bounded by the knobs in force now: a deadline past
+        # kv_retention_max_s from now is cut to it (with retention off, 0: the owners come
+        # back, no deadline does).
         saved = file.load() if file is not None else {}
-        self._saved = {k: v for k, v in saved.items() if v[1] > clock()}
+        now = clock()
+        self._saved = {k: (tenant, min(until, now + max_retention_s))
+                       for k, (tenant, until) in saved.items() if until > now}
         self.counts: dict[str, TenantCounts] = {}
         self.capacity: dict[str, int] = {}  # slots per tier (medium value), as each tells
         self._past = TenantCounts()  # tenants folded away (MAX_TENANTS), reported as other
@@ -252,6 +257,21 @@ class Tenancy:
             if claim is not None and claim.until == until:
                 claim.until = 0.0
                 self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
+
+    def release_all(self) -> int:
+        """End every retention now (a cache reset: what was retained is another identity's
+        KV, which no request here asks for again): its blocks are ordinary ones, to be
+        evicted like any other, and the file forgets them. How many blocks it held."""
+        released = 0
+        for claim in self._claims.values():
+            if claim.until:
+                claim.until = 0.0
+                self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
+                released += 1
+        self._deadlines.clear()
+        self._saved.clear()
+        self.save()
+        return released
 
     def save(self) -> None:
         """Write every unexpired retention of a block a local tier holds to the file (none
