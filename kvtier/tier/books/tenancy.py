@@ -255,23 +255,23 @@ class Tenancy:
             until, key = heapq.heappop(self._deadlines)
             claim = self._claims.get(key)
             if claim is not None and claim.until == until:
-                claim.until = 0.0
-                self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
+                self._end(claim)
 
-    def release_all(self) -> int:
+    def release_all(self) -> None:
         """End every retention now (a cache reset: what was retained is another identity's
         KV, which no request here asks for again): its blocks are ordinary ones, to be
-        evicted like any other, and the file forgets them. How many blocks it held."""
-        released = 0
+        evicted like any other, and the file forgets them."""
         for claim in self._claims.values():
             if claim.until:
-                claim.until = 0.0
-                self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
-                released += 1
+                self._end(claim)
         self._deadlines.clear()
         self._saved.clear()
         self.save()
-        return released
+
+    def _end(self, claim: _Claim) -> None:
+        """A retention ends: its block is an ordinary one again, in every tier holding it."""
+        claim.until = 0.0
+        self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
 
     def save(self) -> None:
         """Write every unexpired retention of a block a local tier holds to the file (none
