@@ -138,6 +138,43 @@ def test_another_models_pages_are_never_found(stores: dict[str, Any]) -> None:
         other.close()
 
 
+def dcp_rank(extra: dict[str, Any], rank: int, pool: LayerFirstHostPool) -> KvtierStorage:
+    """One rank of an MLA model under decode context parallelism: TP 2, DCP 2, so each rank
+    holds its own share of every page's tokens (SGLang's own config checks the shape). A
+    local disk file is one process's: each rank has its own; the shared stores are shared."""
+    if "disk_kv_path" in extra:
+        extra = {**extra, "disk_kv_path": f"{extra['disk_kv_path']}-rank{rank}"}
+    config = replace(storage_config(extra, tp_rank=rank), tp_size=2, is_mla_model=True,
+                     dcp_size=2, dcp_rank=rank, logical_page_size=2 * PAGE)
+    made = StorageBackendFactory.create_backend("dynamic", config, pool)
+    made.register_mem_pool_host(pool)
+    assert isinstance(made, KvtierStorage) and made.writer  # both DCP ranks write
+    return made
+
+
+def test_decode_context_parallel_ranks_never_read_each_others_pages(
+        stores: dict[str, Any]) -> None:
+    # Both DCP ranks set the same page keys, each from its own share of the KV; a restarted
+    # rank 1 must get rank 1's bytes back, never rank 0's (issue 42, item 1).
+    sources = [LayerFirstHostPool(seed=1), LayerFirstHostPool(seed=2)]
+    for rank, source in enumerate(sources):
+        b = dcp_rank({**MODEL, **stores}, rank, source)
+        try:
+            assert b.batch_set_v1(KEYS, page_indices(list(range(5)))) == [True] * 5
+        finally:
+            b.close()
+    for rank, source in enumerate(sources):
+        target = LayerFirstHostPool()
+        b = dcp_rank({**MODEL, **stores}, rank, target)
+        try:
+            assert b.batch_get_v1(KEYS, page_indices(list(range(5)))) == [True] * 5
+            for page in range(5):
+                assert torch.equal(target.get_data_page(page * PAGE),
+                                   source.get_data_page(page * PAGE)), (rank, page)
+        finally:
+            b.close()
+
+
 def test_a_damaged_page_is_a_miss_and_leaves(tmp_path: Path) -> None:
     stores = {"kv_stores": {"fs": {"path": str(tmp_path / "fs"), "read_gbps": 1.0}}}
     written(stores)

@@ -142,16 +142,21 @@ class KvtierStorage(HiCacheStorage):
     # -----------------------------------------------------------------------------------
     def _namespace(self, pool: Any) -> bytes:
         """The fingerprint every page carries: the weights, the page's geometry and dtype,
-        SGLang's layout and this rank's slice (MLA KV is the same on every TP rank)."""
+        SGLang's layout and this rank's slice (MLA KV is the same on every TP rank, but
+        under decode context parallelism each DCP rank holds its own share of a page's
+        tokens under the same page key)."""
         c = self.storage_config
         mla = bool(c.is_mla_model)
-        shard = "" if mla else f"tp{c.tp_rank}"
+        dcp_size = int(getattr(c, "dcp_size", 1))  # SGLang before 0.5.23 has no DCP
+        dcp = f"dcp{c.dcp_rank}of{dcp_size}" if dcp_size > 1 else ""
+        shard = dcp if mla else f"tp{c.tp_rank}"
         fingerprint = Fingerprint(
             weights_digest=self.identity,
             architecture=f"sglang:{Path(str(c.model_name or '')).name}:mla={mla}",
             kv_dtype=str(pool.dtype), block_size=self.page_size, tokenizer_digest="",
             attention_backend=f"sglang-hicache:{pool.layout}",
-            parallel=f"tp={c.tp_size},pp={c.pp_size},cp={c.attn_cp_size}",
+            parallel=f"tp={c.tp_size},pp={c.pp_size},cp={c.attn_cp_size}"
+                     + (f",dcp={dcp_size}" if dcp else ""),
             shard=f"{shard}pp{c.pp_rank}cp{c.attn_cp_rank}")
         return fingerprint.namespace()
 
