@@ -220,3 +220,20 @@ def test_made_up_tenants_cannot_grow_the_books_without_bound(
     report = tenancy.report(4)
     assert report["other"].retention_refused["not_stored"] + sum(
         c.retention_refused["not_stored"] for t, c in report.items() if t != "other") == 100
+
+
+def test_renewing_a_block_again_and_again_keeps_the_deadline_heap_bounded() -> None:
+    # One retained block renewed by 5,000 requests (each asking 600 s from its own now): the
+    # books keep one live deadline, and the heap of them stays within its bound instead of
+    # growing an entry per renewal (issue 42, item 8: 32 -> 432 entries over 200 requests).
+    clock = Clock()
+    tenancy = Tenancy(max_retention_s=3600, clock=clock)
+    put(HostTier(4, tenancy=tenancy), "a", 1)
+    for _ in range(5000):
+        clock.now += 0.01
+        assert tenancy.retain(ks(1), "a", 600).blocks == 1
+    assert len(tenancy._deadlines) <= 2 * 1 + tenancy_module.HEAP_SLACK
+    assert tenancy.deadline(ks(1)[0]) == clock.now + 600
+    assert tenancy.counts["a"].retained["host"] == 1
+    clock.now += 600.5
+    assert not tenancy.retained(ks(1)[0]) and tenancy.counts["a"].retained["host"] == 0

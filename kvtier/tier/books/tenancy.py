@@ -35,6 +35,10 @@ MAX_TENANTS = 4096
 # Retention may pin at most this share of a tier's slots, all tenants together: the rest
 # stays a cache for everyone, with or without quotas.
 MAX_RETAINED_SHARE = 0.8
+# Deadline-heap entries allowed past twice the claims before the stale ones (left behind by
+# renewals) are dropped: the heap stays bounded by the tiers' slots, however often blocks
+# are renewed.
+HEAP_SLACK = 1024
 
 
 class Refusal(str, enum.Enum):
@@ -135,7 +139,7 @@ class Tenancy:
                 claim = self._claims[key] = _Claim(owner)
                 if until > self.clock():
                     claim.until = until
-                    heapq.heappush(self._deadlines, (until, key))
+                    self._push(until, key)
             claim.media.add(medium)
             counts = self._of(claim.tenant)
             counts.held[medium.value] += 1
@@ -220,7 +224,7 @@ class Tenancy:
                 self._of(claim.tenant).retained.update(m.value for m in claim.media)
             if until > claim.until:
                 claim.until = until
-                heapq.heappush(self._deadlines, (until, key))
+                self._push(until, key)
         counts.retention_granted += 1
         self.save()
         return Grant(seconds, blocks=len(held))
@@ -267,6 +271,14 @@ class Tenancy:
         self._deadlines.clear()
         self._saved.clear()
         self.save()
+
+    def _push(self, until: float, key: BlockKey) -> None:
+        """`key`'s new deadline on the heap. A renewal leaves the old entry behind (`expire`
+        passes over it), so past twice the claims the heap is rebuilt from the live ones."""
+        heapq.heappush(self._deadlines, (until, key))
+        if len(self._deadlines) > 2 * len(self._claims) + HEAP_SLACK:
+            self._deadlines = [(c.until, k) for k, c in self._claims.items() if c.until]
+            heapq.heapify(self._deadlines)
 
     def _end(self, claim: _Claim) -> None:
         """A retention ends: its block is an ordinary one again, in every tier holding it."""
