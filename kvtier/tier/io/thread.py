@@ -24,7 +24,11 @@ exception) is logged once per tier and reason, never a label.
 A fetch's deadline is its `Job.budget_s` from the moment `submit` receives it (time queued
 behind a write counts): no read starts after it (a Redis reply is cut mid-value, its
 connection retired), the leading blocks that landed and verify are served, and every block
-not landed is a miss, Reason.DEADLINE, kept where it lives.
+not landed is a miss, Reason.DEADLINE, kept where it lives. The deadline also bounds the
+I/O thread itself: a fetch still queued when its deadline passes (the thread held by a store
+call that has not returned: a hung mount, a peer that never answers) is failed by the
+caller's next poll or wait, every block DEADLINE, without the thread. Only the fetch whose
+call hangs waits for it: its host rows are being written, and cannot be handed back early.
 
 Only the remote tier carries a MAC. Whoever can write a shared Redis is another party; the
 disk tier's slot file is 0600 in a 0700 directory owned by the serving user, so whoever can
@@ -41,7 +45,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -130,6 +134,7 @@ class TierIO:
 
     def poll(self) -> list[Result]:
         with self._cond:
+            self._expire()
             done = sorted(self._done.values(), key=lambda r: self._order[r.job_id])
             for r in done:
                 del self._order[r.job_id]
@@ -138,16 +143,47 @@ class TierIO:
 
     def wait_any(self, timeout: float | None = None) -> list[Result]:
         """Block until at least one job has finished (or `timeout`); deliver all finished."""
-        with self._cond:
-            self._cond.wait_for(lambda: bool(self._done) or self._closing, timeout)
+        self._wait(lambda: bool(self._done) or self._closing, timeout)
         return self.poll()
 
     def wait_fetches(self, timeout: float) -> list[Result]:
         """Block until every fetch submitted has finished (or `timeout`); deliver all
         finished. For a caller with nothing else to do: an engine step with no tokens."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._fetches or self._closing, timeout)
+        self._wait(lambda: not self._fetches or self._closing, timeout)
         return self.poll()
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until `ready()` or `timeout`, waking at each queued fetch's deadline to fail
+        it (the I/O thread may be held by a store call that never returns)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire()
+                if ready():
+                    return
+                now = time.monotonic()
+                wake = min((self._deadlines[j.id] for j in self._queue
+                            if j.id in self._deadlines), default=None)
+                if end is not None:
+                    if now >= end:
+                        return
+                    wake = end if wake is None else min(wake, end)
+                self._cond.wait(None if wake is None else max(wake - now, 0.0) + 1e-3)
+
+    def _expire(self) -> None:
+        """Fail every queued fetch whose deadline has passed (the caller holds the lock):
+        nothing of it was read, each block is a DEADLINE miss, kept where it lives."""
+        now = time.monotonic()
+        late = [j for j in self._queue if self._deadlines.get(j.id, now) < now]
+        for job in late:
+            self._queue.remove(job)
+            del self._deadlines[job.id]
+            n = len(job.keys)
+            self._done[job.id] = Result(job.id, (False,) * n, (Reason.DEADLINE,) * n, 0, 0.0,
+                                        time.perf_counter())
+            self._fetches -= 1
+        if late:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -140,3 +140,52 @@ def test_after_a_fetch_writes_wait_out_the_wake(monkeypatch: pytest.MonkeyPatch)
     assert fetched.ok == (True,) and written.ok == (True,)
     assert began > 0.12  # it waited out (most of) the quiet time
     assert written.seconds < WRITE_S + 0.1  # and that wait is not its own time
+
+
+class HungStore(SlowStore):
+    """A store whose writes do not return until released: a hung mount, a peer that never
+    answers. The I/O thread is held inside its call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def write(self, slots: Sequence[int], headers: Sequence[BlockHeader],
+              payloads: Sequence[memoryview]) -> list[OSError | StoreMiss | None]:
+        self.writing.set()
+        self.release.wait(30)
+        return [None] * len(headers)
+
+
+@pytest.mark.parametrize("wait", ["wait_any", "wait_fetches", "poll"])
+def test_a_fetch_queued_behind_a_hung_call_fails_at_its_deadline(wait: str) -> None:
+    """The deadline bounds the thread too: a fetch that never started because a store call
+    has not returned is a DEADLINE miss at its deadline, delivered by the caller's wait."""
+    layout = KVLayout.from_contiguous(torch.randn(8, 2, BS, 2, 2, 8))
+    host = HostPool.like(layout, 8)
+    store = HungStore()
+    tier = TierIO(host, NS, [store])
+    try:
+        tier.submit(Job(1, Medium.HOST, Medium.REMOTE, (0,), keys=(KEYS[0],),
+                        tokens=(CHUNKS[0],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        assert store.writing.wait(5)
+        began = time.monotonic()
+        tier.submit(Job(2, Medium.REMOTE, Medium.HOST, (1, 2), keys=tuple(KEYS[:2]),
+                        tokens=tuple(CHUNKS[:2]), media=(Medium.REMOTE,) * 2,
+                        below_slots=(-1, -1), budget_s=0.2))
+        results = []
+        while not results and time.monotonic() - began < 5:
+            results = (tier.wait_any(5) if wait == "wait_any" else
+                       tier.wait_fetches(5) if wait == "wait_fetches" else tier.poll())
+            if wait == "poll" and not results:
+                time.sleep(0.01)
+        waited = time.monotonic() - began
+        assert [r.job_id for r in results] == [2]
+        assert results[0].ok == (False, False)
+        assert results[0].reasons == (Reason.DEADLINE,) * 2
+        assert 0.2 <= waited < 1.0
+        assert tier.busy  # the hung write is still owed its result
+    finally:
+        store.release.set()
+        tier.close()
+    assert store.log == []  # the expired fetch never reached the store
