@@ -53,6 +53,17 @@ def test_bad_tenant_quotas_are_clear_errors(tmp_path: Path) -> None:
                "--kv-tenant-quotas", '{"bob": {"host": 1}}')
     assert r.returncode == 2 and "'bob', which no API key is for" in r.stderr, r.stderr
     assert "the tenants are: alice" in r.stderr and "Traceback" not in r.stderr
+    # without keys a named quota could match no request (a salt is no tenant unless the
+    # operator says its router sets it), and keys with a tenant header are one too many
+    for args, said in ((("--kv-tenant-quotas", '{"bob": {"host": 1}}'),
+                        "kv_tenant_quotas names 'bob', but nothing names a request's tenant"),
+                       (("--api-keys-file", str(keys), "--tenant-header", "X-Tenant"),
+                        "give API keys (--api-key, --api-keys-file) or --tenant-header"),
+                       (("--kv-tenant-from", "prompt_cache_key"),
+                        "kv_tenant_from='prompt_cache_key' is not one of none, cache_salt")):
+        r = kvtier("serve", "--model", "tiny", *args)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
     for knob, value, said in (
             ("--kv-tenant-quota", '{"gpu": 1}', "names the tier 'gpu'"),
             ("--kv-tenant-quota", '{"host": -1}', "must be a finite number of GiB"),

@@ -26,16 +26,19 @@ from kvtier.server.request_body import ApiError, default_max_request_bytes
 from kvtier.server.routes_admin import admin_routes
 from kvtier.server.routes_completions import completion_routes
 from kvtier.server.routes_kv import kv_routes
+from kvtier.tier import MAX_TENANT_CHARS
 
 
 def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None = None,
-              metrics: Metrics | None = None, max_request_bytes: int | None = None) -> FastAPI:
+              metrics: Metrics | None = None, max_request_bytes: int | None = None,
+              tenant_header: str | None = None) -> FastAPI:
     """`tenants` maps API key -> tenant name; None means no authentication.
-    `max_request_bytes`: a larger body is a 413 before it is read whole (default: sized to
-    the model's context, `default_max_request_bytes`)."""
+    `tenant_header`: without keys, the header the operator's router names each request's
+    tenant in. `max_request_bytes`: a larger body is a 413 before it is read whole (default:
+    sized to the model's context, `default_max_request_bytes`)."""
     metrics = metrics or Metrics()
     body_limit = max_request_bytes or default_max_request_bytes(loop.engine.max_model_len)
-    tenant_of = authenticator(tenants)
+    tenant_of = authenticator(tenants, tenant_header)
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -50,11 +53,20 @@ def build_app(loop: EngineLoop, served_name: str, tenants: dict[str, str] | None
     return app
 
 
-def authenticator(tenants: dict[str, str] | None) -> Callable[[Request], str]:
+def authenticator(tenants: dict[str, str] | None,
+                  tenant_header: str | None = None) -> Callable[[Request], str]:
     """The request's tenant from its bearer key (a 401 for a missing or unknown key); with
-    no `tenants`, every request is the one tenant ""."""
+    no `tenants`, from the router's `tenant_header` (a 400 without it), else "" (no tenant:
+    `kv_tenant_from` may name one)."""
 
     def tenant_of(request: Request) -> str:
+        if tenants is None and tenant_header is not None:
+            tenant = request.headers.get(tenant_header, "").strip()
+            if not 0 < len(tenant) <= MAX_TENANT_CHARS:
+                raise ApiError(400, f"the {tenant_header} header must name the request's tenant "
+                               f"(1 to {MAX_TENANT_CHARS} characters); this server takes it "
+                               "from the router in front of it", "invalid_tenant")
+            return tenant
         if tenants is None:
             return ""
         auth = request.headers.get("authorization", "")

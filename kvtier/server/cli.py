@@ -9,6 +9,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.flags import add_engine_args, engine_knobs
+from kvtier.tier import TierConfig, tenant_rule
 
 DRAIN_SLACK_S = 5.0  # after the drain, time for the ended responses to reach their clients
 MAX_HEADER_BYTES = 64 * 1024  # a request's headers, beyond which uvicorn answers 400
@@ -23,6 +24,10 @@ def add_serve_args(sub: Any) -> None:
     p.add_argument("--api-key", default=None, help="require this key (one tenant, 'default')")
     p.add_argument("--api-keys-file", default=None,
                    help="JSON object mapping API key -> tenant name (one namespace each)")
+    p.add_argument("--tenant-header", default=None,
+                   help="without API keys: the header (e.g. X-Tenant) in which the router in "
+                        "front of this server names each request's tenant, for quotas and "
+                        "counters (one namespace each); a request without it is refused")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="larger request bodies are refused with 413 (default: sized to the "
                         "model's context)")
@@ -54,16 +59,23 @@ def load_tenants(api_key: str | None, keys_file: str | None) -> dict[str, str] |
     return tenants or None
 
 
-def check_quota_tenants(tenants: dict[str, str] | None, quotas: dict[str, Any]) -> None:
-    """With API keys, a request's tenant is its key's: a quota naming no such tenant is a
-    typo (ConfigError naming it), never a quota that silently applies to no one."""
-    if tenants is None:
-        return  # tenants are cache_salts, which any client may choose
-    unknown = sorted(set(quotas) - set(tenants.values()))
-    if unknown:
-        raise ConfigError(f"kv_tenant_quotas names {', '.join(map(repr, unknown))}, which no "
-                          f"API key is for; the tenants are: "
-                          f"{', '.join(sorted(set(tenants.values())))}")
+def tenant_line(tenants: dict[str, str] | None, header: str | None, offload: TierConfig
+                ) -> tuple[str, bool]:
+    """The startup line on what names a request's tenant (and whether it warns: quotas that
+    separate no one), or a ConfigError: both keys and a header, or a named quota no request
+    can ever be (with API keys, a tenant no key is for: a typo, never a silent no-op)."""
+    if tenants is not None and header is not None:
+        raise ConfigError("give API keys (--api-key, --api-keys-file) or --tenant-header, not "
+                          "both: with keys, each request's tenant is its key's")
+    if tenants is not None:
+        unknown = sorted(set(offload.kv_tenant_quotas) - set(tenants.values()))
+        if unknown:
+            raise ConfigError(f"kv_tenant_quotas names {', '.join(map(repr, unknown))}, which "
+                              f"no API key is for; the tenants are: "
+                              f"{', '.join(sorted(set(tenants.values())))}")
+    by = ("API keys" if tenants is not None else
+          f"the router's {header} header" if header is not None else None)
+    return tenant_rule(offload.tenant_source, offload.kv_tenant_quotas, offload.quota_set, by)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -76,8 +88,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvtier.server.engine_loop import EngineLoop
 
     tenants = load_tenants(args.api_key, args.api_keys_file)
-    check_quota_tenants(tenants, args.kv_tenant_quotas or {})
-    engine = LLMEngine(EngineConfig.from_knobs(model=args.model, **engine_knobs(args)))
+    engine_config = EngineConfig.from_knobs(model=args.model, **engine_knobs(args))
+    line, warn = tenant_line(tenants, args.tenant_header, engine_config.offload)
+    engine = LLMEngine(engine_config)
     name = args.served_model_name or Path(engine.model_source).name.split(".")[0]
     metrics = Metrics()
     server: Any = None
@@ -87,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     loop = EngineLoop(engine, on_death=engine_died, on_finished=metrics.observe_request)
-    app = build_app(loop, name, tenants, metrics, args.max_request_bytes)
+    app = build_app(loop, name, tenants, metrics, args.max_request_bytes, args.tenant_header)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -99,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvtier serve: shut down; {left} requests still open were ended (503), pools "
               "released", flush=True)
 
+    print(f"kvtier serve: {'warning: ' if warn else ''}{line}", flush=True)
     print(f"kvtier serve: model '{name}' on http://{args.host}:{args.port}/v1", flush=True)
     from kvtier.server.http import header_deadline_protocol
 

@@ -50,8 +50,9 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's extra
     ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens
     return_token_ids: bool = False  # vLLM's extra: the generated ids in the final choice
-    # OpenAI's prompt caching: who the cache is for (a tenant's name for quotas and counters
-    # here; it changes no namespace) and how long to keep it ("in_memory": as the tier sees
+    # OpenAI's prompt caching: who the cache is for (a routing hint: one engine here, so it
+    # names no namespace and no tenant, which a client could mint per request to stay under
+    # its quota, tenant_source.py) and how long to keep it ("in_memory": as the tier sees
     # fit; "24h": retained a day)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
@@ -59,13 +60,12 @@ class _Common(BaseModel):
     kv_expect_return_s: float | None = Field(None, gt=0)  # the session is back in N seconds
 
     def hints(self, tenant: str) -> KvHints:
-        """What the request asks of its KV; `tenant`: the API key's ("" without keys), else
-        the cache_salt or prompt_cache_key names it."""
+        """What the request asks of its KV, for `tenant` (whose quotas and counters it
+        counts against: its API key's or router header's, else as `kv_tenant_from` says)."""
         if self.kv_retention_s is not None and self.prompt_cache_retention == "24h":
             raise RequestError("give one of kv_retention_s and prompt_cache_retention")
         retention = self.kv_retention_s if self.prompt_cache_retention != "24h" else DAY_S
-        who = tenant or self.cache_salt or self.prompt_cache_key or ""
-        return KvHints(who, retention, self.kv_expect_return_s)
+        return KvHints(tenant, retention, self.kv_expect_return_s)
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams, or a RequestError naming the bad field."""

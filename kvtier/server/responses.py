@@ -21,6 +21,7 @@ from kvtier.server.engine_loop import EngineLoop, RequestFailed, RequestStream
 from kvtier.server.protocol import error_body, tenant_salt
 from kvtier.server.request_body import ApiError
 from kvtier.server.shapes import Shape
+from kvtier.tier import request_tenant
 
 RESIDENCY_HEADER = "x-kvtier-residency"
 LOSSY_HEADER = "x-kvtier-lossy"
@@ -31,6 +32,8 @@ class Responder:
 
     def __init__(self, loop: EngineLoop, served_name: str, metrics: Metrics) -> None:
         self.loop, self.served_name, self.metrics = loop, served_name, metrics
+        # names the tenant where no API key or router header does (kv_tenant_from)
+        self.tenant_source = loop.engine.config.offload.tenant_source
 
     async def serve(self, request: Request, req: Any, prompt: PromptType,
                     max_tokens: int | None, tenant: str, chat: bool) -> Response:
@@ -39,7 +42,8 @@ class Responder:
             params = req.sampling(max_tokens)
             stream = await loop.submit(prompt, params,
                                        cache_salt=tenant_salt(tenant, req.cache_salt),
-                                       hints=req.hints(tenant))
+                                       hints=req.hints(tenant or request_tenant(
+                                           self.tenant_source, req.cache_salt)))
         except RequestFailed as e:
             raise ApiError(e.status, str(e), kind="server_error") from None
         except KvtierError as e:

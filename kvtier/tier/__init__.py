@@ -34,7 +34,14 @@ from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome,
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
 from kvtier.tier.books.returns import MAX_EXPECT_RETURN_S
 from kvtier.tier.books.tenancy import Grant, Refusal
-from kvtier.tier.config import GIB, SAFE_RAM_SHARE, TierConfig, check_fits, host_slot_count
+from kvtier.tier.config import (
+    GIB,
+    MAX_TENANT_CHARS,
+    SAFE_RAM_SHARE,
+    TierConfig,
+    check_fits,
+    host_slot_count,
+)
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
@@ -46,6 +53,7 @@ from kvtier.tier.match import Prefetch, declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TenantCounts, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
+from kvtier.tier.tenant_source import TenantSource, request_tenant, tenant_rule
 
 if TYPE_CHECKING:
     from kvtier.tier.builder import (
@@ -63,6 +71,7 @@ __all__ = [
     "FETCHING",
     "GIB",
     "MAX_EXPECT_RETURN_S",
+    "MAX_TENANT_CHARS",
     "NO_FAULTS",
     "NO_MATCH",
     "SAFE_RAM_SHARE",
@@ -95,6 +104,7 @@ __all__ = [
     "SchedulerTier",
     "StoreDone",
     "TenantCounts",
+    "TenantSource",
     "Tier",
     "TierConfig",
     "TierManager",
@@ -114,7 +124,9 @@ __all__ = [
     "host_slot_count",
     "host_slot_nbytes",
     "is_swap_key",
+    "request_tenant",
     "swap_key",
+    "tenant_rule",
 ]
 
 

@@ -16,6 +16,7 @@ from kvtier.tier import registry
 from kvtier.tier.deadline import FETCH_DEADLINE_S
 from kvtier.tier.knobs import Bounds, check_bounds, check_types
 from kvtier.tier.load_policy import LoadPolicy
+from kvtier.tier.tenant_source import TenantSource
 
 KV_OFFLOAD_DTYPES = ("int8", "fp8")
 MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
@@ -166,7 +167,12 @@ class TierConfig:
     # `prompt_cache_retention`, vLLM's `kv_transfer_params` `kvtier_retention_s`): the longest
     # granted, in seconds (longer is refused, "refused:over_max"); 0 turns retention off.
     kv_retention_max_s: float = DAY_S
-    # Quotas per tenant (a request's cache_salt, or kvtier serve's API key), GiB per slot
+    # What names a request's tenant where no API key (or kvtier serve's --tenant-header)
+    # does: "none", every such request is one tenant; "cache_salt", its cache_salt, only where
+    # the operator's router sets it and clients cannot (a client minting a salt per request
+    # would never be over quota, and its neighbour would lose first: tenant_source.py).
+    kv_tenant_from: str = "none"
+    # Quotas per tenant (see kv_tenant_from), GiB per slot
     # tier: {"host": 0.5, "disk": 4}. A tenant over its quota loses blocks first when a tier
     # must evict, and a retention over it is refused ("refused:quota"). Unset: no quota.
     kv_tenant_quota: dict[str, float] = field(default_factory=dict)
@@ -208,6 +214,7 @@ class TierConfig:
         if self.max_store_gbps is not None and not self.max_store_gbps > 0:
             raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
         LoadPolicy.parse(self.load_policy)
+        TenantSource.parse(self.kv_tenant_from)
         self._validate_quotas()
         self._validate_deep_tiers()
         registry.check(self)  # each store checks its own knobs
@@ -218,6 +225,15 @@ class TierConfig:
                 f"the tiers below host ({', '.join(kind.name for kind in stores)}) are staged "
                 "through host memory: set kv_offloading_size (GiB of host memory) as well")
         check_bounds(self, BOUNDS)
+
+    @property
+    def tenant_source(self) -> TenantSource:
+        return TenantSource.parse(self.kv_tenant_from)
+
+    @property
+    def quota_set(self) -> bool:
+        """Any quota configured, default or named."""
+        return bool(self.kv_tenant_quota) or bool(self.kv_tenant_quotas)
 
     @property
     def retention_dir(self) -> str | None:

