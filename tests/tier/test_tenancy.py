@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtier.tier.books.tenancy as tenancy_module
 from kvtier.tier.books.host import HostTier
@@ -237,3 +239,126 @@ def test_renewing_a_block_again_and_again_keeps_the_deadline_heap_bounded() -> N
     assert tenancy.counts["a"].retained["host"] == 1
     clock.now += 600.5
     assert not tenancy.retained(ks(1)[0]) and tenancy.counts["a"].retained["host"] == 0
+
+
+def test_a_grant_appends_its_blocks_and_a_crash_keeps_every_grant(tmp_path: Path) -> None:
+    """A grant costs its own blocks: it is appended to the log, the snapshot untouched (it
+    was rewritten whole, every retained block, on every grant). A process that dies without
+    a snapshot still hands every grant to the next one; a torn last line is skipped."""
+    clock = Clock()
+    first = Tenancy(max_retention_s=3600, file=RetentionFile(tmp_path), clock=clock)
+    disk = DiskTier(64, tenancy=first)
+    put(disk, "a", *range(40))
+    for i in range(40):
+        assert first.retain(ks(i), "a", 600 + i).blocks == 1
+    assert not (tmp_path / "retention.json").exists()  # no snapshot was written
+    log = tmp_path / "retention.0.log"
+    assert len(log.read_text().splitlines()) == 40
+    with log.open("a") as f:
+        f.write('["00ff", "a", 12')  # the process died mid-append
+    second = Tenancy(max_retention_s=3600, file=RetentionFile(tmp_path), clock=clock)
+    DiskTier(64, tenancy=second).adopt([(i, ks(i)[0], [i]) for i in range(40)])
+    assert second.counts["a"].retained["disk"] == 40
+    assert second.deadline(ks(39)[0]) == clock.now + 639
+
+
+def test_the_log_is_compacted_and_an_old_log_never_replays_over_a_newer_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tenancy_module, "HEAP_SLACK", 4)
+    clock = Clock()
+    file = RetentionFile(tmp_path)
+    first = Tenancy(max_retention_s=3600, file=file, clock=clock)
+    put(DiskTier(8, tenancy=first), "a", 1, 2)
+    for _ in range(12):  # renewals of two blocks: the log passes 2 x 2 + 4 lines
+        first.retain(ks(1, 2), "a", 600)
+        clock.now += 1
+    assert file.generation >= 1 and file.logged <= 2 * 2 + 4  # compacted, log bounded
+    first.release_all()  # a reset ends them: a snapshot with none
+    # a crash just after that snapshot, before the log it replaced went away
+    (tmp_path / f"retention.{file.generation - 1}.log").write_text(
+        f'["{ks(1)[0].hex()}", "a", {clock.now + 600}]\n')
+    second = Tenancy(max_retention_s=3600, file=RetentionFile(tmp_path), clock=clock)
+    DiskTier(8, tenancy=second).adopt([(0, ks(1)[0], [1]), (1, ks(2)[0], [2])])
+    assert not second.any_retained
+
+
+@pytest.mark.parametrize("case", ["one retained block", "a tenant over its quota"])
+def test_an_eviction_looks_at_a_few_keys_however_large_the_tier(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What can go is counted from the retained keys and the tenants' counts, never by a
+    walk over every slot (10,000 looks a store before, on the scheduler's thread;
+    benchmarks/eviction_books.py times it at 100,000 slots)."""
+    quotas = Quotas(default={"host": 2_500}) if "quota" in case else None
+    tenancy = Tenancy(quotas, max_retention_s=3600)
+    host = HostTier(10_000, tenancy=tenancy)
+
+    def store(tenant: str, ids: range) -> list[BlockKey]:
+        keys = [i.to_bytes(16, "little") for i in ids]
+        result = host.prepare_store(keys, [[i] for i in ids], tenant)
+        assert result is not None
+        host.complete_store(result.keys, True)
+        return result.evicted
+    for lo in range(0, 10_000, 100):
+        store("noisy", range(lo, lo + 100))
+    if "retained" in case:
+        assert tenancy.retain([(9_999).to_bytes(16, "little")], "noisy", 600).blocks == 1
+    looks = 0
+    pinned = host._pinned
+
+    def counted(key: BlockKey) -> bool:
+        nonlocal looks
+        looks += 1
+        return pinned(key)
+    monkeypatch.setattr(host, "_pinned", counted)
+    evicted = store("new", range(20_000, 20_016))
+    assert evicted == [i.to_bytes(16, "little") for i in range(16)]  # the policy's order
+    assert looks < 100, looks
+    host.check_invariants()
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.lists(st.integers(0, 40), min_size=1,
+                                                          max_size=6),
+                          st.sampled_from(["store", "retain", "load", "done"])),
+                min_size=1, max_size=60),
+       st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_counted_room_and_victims_agree_with_a_walk_over_every_slot(
+        ops: list[tuple[str, list[int], str]], quota: bool) -> None:
+    """The counts eviction now works from give what a walk over every slot gives: the room
+    a store of each tenant could get, a store refused exactly when too few can go, and no
+    victim pinned, in the batch, or another tenant's retained block."""
+    tenancy = Tenancy(Quotas(default={"host": 4}) if quota else None, max_retention_s=3600)
+    host = HostTier(12, tenancy=tenancy)
+
+    def spill(key: BlockKey) -> bool:  # the tier below keeps the even keys
+        return key[0] % 2 == 0
+    loads: list[list[BlockKey]] = []
+
+    def walk(tenant: str, batch: set[BlockKey]) -> int:
+        return sum(1 for key in host.complete_keys() + list(host._storing)
+                   if not host._pinned(key) and key not in batch and not (
+                       tenancy.retained(key) and (tenancy.owner(key) != tenant
+                                                  or not spill(key))))
+    for tenant, ids, op in ops:
+        keys = ks(*ids)
+        for t in "abc":
+            assert host.room(t, spill) == walk(t, set()) + len(host._free)
+        if op == "store":
+            new = {key for key in keys if key not in host._entries}
+            can = walk(tenant, set(keys)) + len(host._free) >= len(new)
+            result = host.prepare_store(keys, [[i] for i in ids], tenant, spill)
+            assert (result is not None) == can
+            if result is not None:
+                for key in result.evicted:
+                    assert key not in keys
+                    assert not (tenancy.retained(key) and tenancy.owner(key) != tenant)
+                host.complete_store(result.keys, True)
+        elif op == "retain":
+            tenancy.retain(keys, tenant, 600)
+        elif op == "load":
+            present = [key for key in dict.fromkeys(keys) if host.lookup([key]) == 1]
+            host.prepare_load(present)
+            loads.append(present)
+        elif loads:
+            host.complete_load(loads.pop(0))
+        host.check_invariants()

@@ -2,7 +2,8 @@
 
 Primitives: `insert(key)` (a new resident), `touch(key)` (a hit), `remove(key)` (forget it,
 history included), `evict(n, skip)` (give up n residents in policy order, passing over keys
-`skip` says are pinned; None and no change if fewer than n can go). A policy never sees slots.
+`skip` says are pinned; None and no change if fewer than n can go; with `partial`, as many
+as can go, up to n). A policy never sees slots.
 `POLICIES` maps knob names to classes; `make_policy` turns an unknown name into a ConfigError.
 """
 
@@ -29,7 +30,7 @@ class EvictionPolicy(Protocol):
 
     def remove(self, key: BlockKey) -> None: ...
 
-    def evict(self, n: int, skip: Skip) -> list[BlockKey] | None: ...
+    def evict(self, n: int, skip: Skip, partial: bool = False) -> list[BlockKey] | None: ...
 
     def __len__(self) -> int: ...
 
@@ -66,9 +67,9 @@ class LRUPolicy:
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key, None)
 
-    def evict(self, n: int, skip: Skip) -> list[BlockKey] | None:
+    def evict(self, n: int, skip: Skip, partial: bool = False) -> list[BlockKey] | None:
         victims = list(islice(_evictable(self._order, skip), n))
-        if len(victims) < n:
+        if len(victims) < n and not partial:
             return None
         for key in victims:
             del self._order[key]
@@ -130,7 +131,7 @@ class ARCPolicy:
         for keys in (self.t1, self.t2, self.b1, self.b2):
             keys.pop(key, None)
 
-    def evict(self, n: int, skip: Skip) -> list[BlockKey] | None:
+    def evict(self, n: int, skip: Skip, partial: bool = False) -> list[BlockKey] | None:
         old1, old2 = _evictable(self.t1, skip), _evictable(self.t2, skip)
         next1, next2 = next(old1, None), next(old2, None)
         size1 = len(self.t1)
@@ -143,6 +144,8 @@ class ARCPolicy:
             elif next2 is not None:
                 picks.append((False, next2))
                 next2 = next(old2, None)
+            elif partial:
+                break
             else:
                 return None
         for from_t1, key in picks:

@@ -12,7 +12,8 @@ the tier's `ResidencyLog` and to its `Tenancy`.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from kvtier.errors import ConfigError
@@ -127,44 +128,63 @@ class SlotTier:
         """`n` keys to evict, or None (nothing changed) if fewer can go. In order: blocks of
         tenants over their quota, then any unretained block in policy order, then (with
         `spill`) `tenant`'s own retained blocks that a tier below keeps: one tenant's store
-        never pushes another's retained blocks off this tier."""
+        never pushes another's retained blocks off this tier. What can go is counted from the
+        retained keys and the batch, never by a scan of the tier's slots."""
         unpinned = len(self._entries) - len(self._storing) - len(self._pins)
         if n > unpinned:
             return None
         tenancy = self.tenancy
         if not tenancy.quotas and not tenancy.any_retained:  # the plain policy
             return self.policy.evict(n, lambda k: self._pinned(k) or k in batch)
+        retained = tenancy.retained_on(self.medium)
 
         def kept(k: BlockKey) -> bool:
-            return self._pinned(k) or k in batch or tenancy.retained(k)
-        spilled = (lambda k: self._pinned(k) or k in batch or (tenancy.retained(k) and (
-            tenancy.owner(k) != tenant or not spill(k)))) if spill else kept
-        if sum(1 for k in self._entries if not spilled(k)) < n:
+            return self._pinned(k) or k in batch or k in retained
+        own = self._spillable(retained, tenant, spill) - batch
+
+        def spilled(k: BlockKey) -> bool:
+            return self._pinned(k) or k in batch or (k in retained and k not in own)
+        # unpinned keys each pass must leave: the batch's, and the retained (less `own`)
+        out_kept = len(retained) - sum(1 for k in self._pinned_keys() if k in retained) + sum(
+            1 for k in batch if k in self._entries and not self._pinned(k) and k not in retained)
+        out_spilled = out_kept - len(own)
+        if unpinned - out_spilled < n:
             return None
         victims = self._over_quota(n, kept, tenant, incoming) if tenancy.quotas else []
-        for skip in (kept, spilled):
-            if len(victims) < n:
-                chosen = set(victims)
-                room = sum(1 for k in self._entries if not skip(k) and k not in chosen)
+        for skip, out in ((kept, out_kept), (spilled, out_spilled)):
+            if len(victims) < n:  # every victim so far is one both passes could take
+                room = unpinned - out - len(victims)
                 victims += self.policy.evict(min(n - len(victims), room), skip) or []
         assert len(victims) == n, "the evictable keys were counted first"
         return victims
 
+    def _spillable(self, retained: AbstractSet[BlockKey], tenant: str, spill: Spill | None
+                   ) -> set[BlockKey]:
+        """`tenant`'s own unpinned retained keys here that a tier below keeps (`spill`): the
+        host may let them go for that tenant's stores, no one else's."""
+        if spill is None or not self.tenancy.retains_on(self.medium, tenant):
+            return set()
+        owner = self.tenancy.owner
+        return {k for k in retained
+                if owner(k) == tenant and not self._pinned(k) and spill(k)}
+
     def _over_quota(self, n: int, kept: Spill, tenant: str, incoming: int) -> list[BlockKey]:
         """Up to `n` evictable blocks of tenants over their quota here (`tenant`'s count
         with its `incoming` blocks), in policy order, no tenant brought below its quota;
-        one walk of the policy (an ARC that looks ahead may leave some for the later
-        passes, never break a rule)."""
+        one walk of the policy that stops once it has them (an ARC that looks ahead may
+        leave some for the later passes, never break a rule). The excess comes from the
+        tenants' counts, not a scan of the slots."""
         tenancy, medium = self.tenancy, self.medium
-        evictable: Counter[str] = Counter(tenancy.owner(k) for k in self._entries
-                                          if not kept(k))
-
-        def excess_of(t: str) -> int:
+        excess: dict[str, int] = {}
+        for t in tenancy.counts:
             quota = tenancy.quotas.of(t, medium)
-            held = tenancy.held(medium, t) + (incoming if t == tenant else 0)
-            return 0 if quota is None else max(0, held - quota)
-        excess = {t: e for t in evictable if (e := excess_of(t)) > 0}
-        m = min(n, sum(min(e, evictable[t]) for t, e in excess.items()))
+            if quota is not None:
+                held = tenancy.held(medium, t) + (incoming if t == tenant else 0)
+                if held > quota:
+                    excess[t] = held - quota
+        m = min(n, sum(excess.values()))
+        if not m:
+            return []
         taken: Counter[str] = Counter()
 
         def fair(k: BlockKey) -> bool:  # True: not a victim of this pass
@@ -173,7 +193,7 @@ class SlotTier:
                 return True
             taken[owner] += 1
             return False
-        return (self.policy.evict(m, fair) or []) if m else []
+        return self.policy.evict(m, fair, partial=True) or []
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
         """Success makes the keys visible to lookup; failure frees their slots and forgets them."""
@@ -228,10 +248,9 @@ class SlotTier:
         a tier below keeps (a fetch is sized by it: no other retained block goes)."""
         room = len(self._free) + len(self._entries) - len(self._storing) - len(self._pins)
         if self.tenancy.any_retained:
-            tenancy = self.tenancy
-            room -= sum(1 for k in self._entries
-                        if not self._pinned(k) and tenancy.retained(k) and not (
-                            spill and tenancy.owner(k) == tenant and spill(k)))
+            retained = self.tenancy.retained_on(self.medium)
+            pinned = sum(1 for k in self._pinned_keys() if k in retained)
+            room -= len(retained) - pinned - len(self._spillable(retained, tenant, spill))
         return room
 
     def hold(self, keys: Sequence[BlockKey]) -> None:
@@ -277,6 +296,11 @@ class SlotTier:
     def _pinned(self, key: BlockKey) -> bool:
         return key in self._storing or key in self._pins
 
+    def _pinned_keys(self) -> Iterator[BlockKey]:
+        """Every pinned key once (storing ones and load pins are disjoint)."""
+        yield from self._storing
+        yield from self._pins
+
     def check_invariants(self) -> None:
         """Internal consistency, for tests: every slot is held by one key or free, once."""
         held = [entry.slot for entry in self._entries.values()]
@@ -289,4 +313,6 @@ class SlotTier:
         assert not self._storing & self._pins.keys(), "a key is loading before it is stored"
         assert all(n > 0 for n in self._pins.values()), "a zero pin count was kept"
         assert len(self.policy) == len(self._entries), "policy and slots disagree"
+        assert self.tenancy.retained_on(self.medium) <= self._entries.keys(), (
+            "a retained key is counted on a tier that does not hold it")
         assert all(key in self.policy for key in self._entries), "a held key is not in policy"

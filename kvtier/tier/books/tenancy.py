@@ -9,7 +9,7 @@ quota loses blocks first when a tier evicts (`over`), and a retention that would
 tenant's retained blocks over it is refused. A retained block is never evicted before its
 deadline (the host may let it go only where a tier below keeps it); an expired one is an
 ordinary block again. Retention deadlines are wall-clock, so they survive a restart
-(`RetentionFile`).
+(`RetentionFile`: each grant appended to a log, a snapshot now and then).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvtier.tier.books.retention_file import RetentionFile
@@ -110,6 +111,9 @@ class Tenancy:
         self.file = file
         self._claims: dict[BlockKey, _Claim] = {}
         self._deadlines: list[tuple[float, BlockKey]] = []  # a heap, checked lazily
+        # the keys under a retention, by tier holding them: what eviction passes over, so it
+        # counts these instead of scanning a tier's every slot
+        self._retained_on: dict[Medium, set[BlockKey]] = {}
         # What a previous process saved, bounded by the knobs in force now: a deadline past
         # kv_retention_max_s from now is cut to it (with retention off, 0: the owners come
         # back, no deadline does).
@@ -145,6 +149,7 @@ class Tenancy:
             counts.held[medium.value] += 1
             if claim.until:
                 counts.retained[medium.value] += 1
+                self._retained_on.setdefault(medium, set()).add(key)
 
     def left(self, medium: Medium, keys: Iterable[BlockKey], evicted: bool = False) -> None:
         """`keys` lost their slot on `medium` (`evicted`: to make room, counted so)."""
@@ -157,6 +162,7 @@ class Tenancy:
             counts.held[medium.value] -= 1
             if claim.until:
                 counts.retained[medium.value] -= 1
+                self._retained_on[medium].discard(key)
             if evicted:
                 counts.evictions[medium.value] += 1
             if not claim.media:
@@ -194,6 +200,17 @@ class Tenancy:
         self.expire()
         return bool(self._deadlines)
 
+    def retained_on(self, medium: Medium) -> AbstractSet[BlockKey]:
+        """The keys `medium` holds under an unexpired retention: as many as are retained,
+        however large the tier. A live view, valid until the books next change."""
+        self.expire()
+        return self._retained_on.get(medium, frozenset())
+
+    def retains_on(self, medium: Medium, tenant: str) -> bool:
+        """Whether `tenant` has a retained block on `medium`."""
+        counts = self.counts.get(tenant)
+        return counts is not None and counts.retained[medium.value] > 0
+
     def held(self, medium: Medium, tenant: str) -> int:
         """Blocks `tenant` holds on `medium` now."""
         counts = self.counts.get(tenant)
@@ -222,11 +239,13 @@ class Tenancy:
             claim = self._claims[key]
             if not claim.until:
                 self._of(claim.tenant).retained.update(m.value for m in claim.media)
+                for medium in claim.media:
+                    self._retained_on.setdefault(medium, set()).add(key)
             if until > claim.until:
                 claim.until = until
                 self._push(until, key)
         counts.retention_granted += 1
-        self.save()
+        self._record(held)
         return Grant(seconds, blocks=len(held))
 
     def _refusal(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None
@@ -259,15 +278,15 @@ class Tenancy:
             until, key = heapq.heappop(self._deadlines)
             claim = self._claims.get(key)
             if claim is not None and claim.until == until:
-                self._end(claim)
+                self._end(key, claim)
 
     def release_all(self) -> None:
         """End every retention now (a cache reset: what was retained is another identity's
         KV, which no request here asks for again): its blocks are ordinary ones, to be
         evicted like any other, and the file forgets them."""
-        for claim in self._claims.values():
+        for key, claim in self._claims.items():
             if claim.until:
-                self._end(claim)
+                self._end(key, claim)
         self._deadlines.clear()
         self._saved.clear()
         self.save()
@@ -280,10 +299,21 @@ class Tenancy:
             self._deadlines = [(c.until, k) for k, c in self._claims.items() if c.until]
             heapq.heapify(self._deadlines)
 
-    def _end(self, claim: _Claim) -> None:
+    def _end(self, key: BlockKey, claim: _Claim) -> None:
         """A retention ends: its block is an ordinary one again, in every tier holding it."""
         claim.until = 0.0
         self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
+        for medium in claim.media:
+            self._retained_on[medium].discard(key)
+
+    def _record(self, keys: Sequence[BlockKey]) -> None:
+        """The deadlines just set go to the file's log (a grant costs its own blocks); once
+        the log outgrows twice what is retained, a snapshot replaces it."""
+        if self.file is None:
+            return
+        self.file.append((k, self._claims[k].tenant, self._claims[k].until) for k in keys)
+        if self.file.logged > 2 * len(self._deadlines) + HEAP_SLACK:
+            self.save()
 
     def save(self) -> None:
         """Write every unexpired retention of a block a local tier holds to the file (none
