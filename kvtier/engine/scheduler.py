@@ -280,7 +280,8 @@ class Scheduler:
         if computed % bs:
             keys.append(swap_key(seq.request_id, nfull))
             tokens.append(seq.tokens(nfull * bs, computed))
-        if len(keys) != nblocks or not self.tier.store(table.block_ids[:nblocks], keys, tokens):
+        if len(keys) != nblocks or not self.tier.store(table.block_ids[:nblocks], keys, tokens,
+                                                       prefix=True):
             return False
         seq.swapped = SwapState(keys, tokens, computed)
         return True
@@ -338,7 +339,8 @@ class Scheduler:
         tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]
         if self.policy.kv_write_policy is WritePolicy.WRITE_THROUGH or \
                 hints.retention_s is not None:
-            self.tier.store(table.block_ids[:full], keys, tokens, tenant=hints.tenant)
+            self.tier.store(table.block_ids[:full], keys, tokens, tenant=hints.tenant,
+                            prefix=True)
         if hints.retention_s is not None:
             seq.retention = self.tier.retain(keys, hints.tenant, hints.retention_s).value
         if hints.expect_return_s is not None:

@@ -34,6 +34,7 @@ from kvtier.tier import (
     TierStats,
     WorkerReport,
     build,
+    chain_parents,
 )
 
 PREFILL_OBSERVE_TOKENS = 64  # steps with at least this much prefill refine the planner
@@ -129,10 +130,12 @@ class TierClient:
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], demote: bool = False,
-              evict_first: bool = False, tenant: str = "") -> bool:
+              evict_first: bool = False, tenant: str = "", prefix: bool = False) -> bool:
         """Copy device blocks the host lacks (new ones are `tenant`'s); False if the host
-        could not make room."""
-        blocks = self.manager.store(block_ids, keys, tokens, demote, evict_first, tenant)
+        could not make room. `prefix`: the keys are a sequence's from its first block (the
+        tiers then drop it from its tail)."""
+        blocks = self.manager.store(block_ids, keys, tokens, demote, evict_first, tenant,
+                                    chain_parents(keys) if prefix else None)
         if blocks is None:
             return False
         self.pool.touch(blocks)  # the device bytes must outlive the copy
@@ -329,7 +332,7 @@ class NullTier:
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], demote: bool = False,
-              evict_first: bool = False, tenant: str = "") -> bool:
+              evict_first: bool = False, tenant: str = "", prefix: bool = False) -> bool:
         return False
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:

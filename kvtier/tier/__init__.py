@@ -45,7 +45,14 @@ from kvtier.tier.config import (
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
-from kvtier.tier.keys import BlockKey, Medium, hash_blocks, is_swap_key, swap_key
+from kvtier.tier.keys import (
+    BlockKey,
+    Medium,
+    chain_parents,
+    hash_blocks,
+    is_swap_key,
+    swap_key,
+)
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
 from kvtier.tier.load_policy import Decline
@@ -115,6 +122,7 @@ __all__ = [
     "build",
     "build_scheduler_side",
     "build_worker_side",
+    "chain_parents",
     "check_bounds",
     "check_fits",
     "check_types",

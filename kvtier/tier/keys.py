@@ -91,6 +91,12 @@ def hash_blocks(
     return keys
 
 
+def chain_parents(keys: Sequence[BlockKey]) -> list[BlockKey | None]:
+    """Each key's parent where `keys` are a prefix from its first block (the tiers drop a
+    prefix from its tail with these)."""
+    return [None, *keys[:-1]]
+
+
 def swap_key(request_id: str, block_index: int) -> BlockKey:
     """Key of a preempted sequence's partial last block: not content-addressable, per request."""
     return SWAP_PREFIX + f"{request_id}:{block_index}".encode()

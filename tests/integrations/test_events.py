@@ -135,8 +135,9 @@ def stored(prompt: list[int], first: int, n: int, medium: str = "CPU", group: in
 
 def removed(prompt: list[int], first: int, n: int, medium: str = "CPU", group: int = 0
             ) -> BlockRemoved:
-    return BlockRemoved([vhash(prompt[:(i + 1) * BS]) for i in range(first, first + n)],
-                        medium, group)
+    """An eviction's withdrawal: a prefix leaves a tier from its tail."""
+    return BlockRemoved([vhash(prompt[:(i + 1) * BS])
+                         for i in reversed(range(first, first + n))], medium, group)
 
 
 def test_a_prompt_stored_to_host_is_published_then_withdrawn_when_evicted() -> None:

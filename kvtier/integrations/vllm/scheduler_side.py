@@ -238,7 +238,9 @@ class SchedulerSide:
         its job reads, or None if it had no room."""
         blocks = self.manager.store([block_ids[g][i] for g, i in kept],
                                     [st.group_keys[g][i] for g, i in kept],
-                                    [self._chunk(st, i) for _, i in kept], tenant=st.tenant)
+                                    [self._chunk(st, i) for _, i in kept], tenant=st.tenant,
+                                    parents=[st.group_keys[g][i - 1] if i else None
+                                             for g, i in kept])
         if blocks is not None:
             self.recorder.storing(request_id, kept, st.group_keys)
         return blocks

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.protocol import SecondaryIndex
+from kvtier.tier.books.slots import SlotTier
 from kvtier.tier.deadline import FETCH_DEADLINE_S, fetch_budget_s
 from kvtier.tier.jobs import SKIPPED, FetchDone, Job, Miss, Reason, Result
 from kvtier.tier.keys import BlockKey, Medium
@@ -135,9 +136,11 @@ class BelowHost:
         if not keys:
             return
         tokens = [self.host.tokens_of(k) for k in keys]
+        parents = [self.host.parent_of(k) for k in keys]  # a slot tier drops a prefix tail first
         where = dict(zip(keys, tokens))
         for tier in self.tiers:
-            prepared = tier.prepare_store(keys, tokens)
+            prepared = (tier.prepare_store(keys, tokens, parents=parents)
+                        if isinstance(tier, SlotTier) else tier.prepare_store(keys, tokens))
             if prepared is None:
                 self.stats.refused += 1
             elif prepared.keys:
@@ -216,7 +219,11 @@ class BelowHost:
         if not keys:
             self.stats.refused += 1
             return False
-        prepared = self.host.prepare_store(keys, tokens, owner, spill)
+        # the keys are a prefix's run: each one's parent is the one before it
+        first = self._by_medium[tiers[0]]
+        parents = [first.parent_of(keys[0]) if isinstance(first, SlotTier) else None,
+                   *keys[:-1]]
+        prepared = self.host.prepare_store(keys, tokens, owner, spill, parents)
         if prepared is None or len(prepared.keys) != len(keys):
             if prepared is not None:
                 self.host.complete_store(prepared.keys, False)

@@ -289,13 +289,16 @@ class TierManager:
 
     def store(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], demote: bool = False,
-              evict_first: bool = False, tenant: str = "") -> tuple[int, ...] | None:
+              evict_first: bool = False, tenant: str = "",
+              parents: Sequence[BlockKey | None] | None = None) -> tuple[int, ...] | None:
         """Copy the blocks the host lacks (new ones are `tenant`'s); returns the device
         blocks the job reads (the client must keep each one alive until its StoreDone), or
-        None if the host could not make room (nothing changes)."""
+        None if the host could not make room (nothing changes). `parents[i]`: the key before
+        `keys[i]` in its prefix (None: its first block), so the tiers drop prefixes from the
+        tail; `chain_parents(keys)` where the keys are a prefix from its first block."""
         if not keys:
             return ()
-        prepared = self.host.prepare_store(keys, tokens, tenant, self.below.holds)
+        prepared = self.host.prepare_store(keys, tokens, tenant, self.below.holds, parents)
         if prepared is None:
             self.stats.store_refused += 1
             return None

@@ -4,9 +4,12 @@ Slot i is row i of the host pool (HostTier) or slot i of the disk file (DiskTier
 module only hands slots out, pins them while a copy is in flight, and evicts through the
 configured policy, fairly across tenants (`tenancy.py`): a tenant over its quota loses
 blocks first, and a retained block goes last, only where a tier below keeps it (host) and
-never before its deadline otherwise. Bytes never pass through here. Where a key becomes
-resident or stops being (a store completes or fails, an eviction, a removal) it is told to
-the tier's `ResidencyLog` and to its `Tenancy`.
+never before its deadline otherwise. Within those rules a prefix goes from its tail: a block
+that another block here continues (its child, told by the store) goes only after that one,
+since a prefix cannot skip a block and a lost head would leave the rest held, never served.
+Bytes never pass through here. Where a key becomes resident or stops being (a store completes
+or fails, an eviction, a removal) it is told to the tier's `ResidencyLog` and to its
+`Tenancy`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from kvtier.errors import ConfigError
-from kvtier.tier.books.policy import make_policy
+from kvtier.tier.books.policy import Skip, make_policy
 from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyLog
 from kvtier.tier.books.tenancy import Tenancy
@@ -28,10 +31,12 @@ Spill = Callable[[BlockKey], bool]  # True for a key a tier below keeps: the hos
 
 @dataclass
 class _Entry:
-    """A key's slot and the token ids that confirm a hit."""
+    """A key's slot, the token ids that confirm a hit, and the key before it in its prefix
+    (None: a prefix's first block, or not told)."""
 
     slot: int
     tokens: tuple[int, ...]
+    parent: BlockKey | None = None
 
 
 class SlotTier:
@@ -55,6 +60,7 @@ class SlotTier:
         self._storing: set[BlockKey] = set()  # pinned, not yet visible to lookup
         self._pins: dict[BlockKey, int] = {}  # load pins of complete keys; absent means 0
         self._free: deque[int] = deque(range(num_slots))  # lowest slot first at start
+        self._kids: dict[BlockKey, int] = {}  # key -> blocks here whose parent it is
         self._counts = IndexStats(capacity=num_slots)
         self.log = log if log is not None else ResidencyLog(enabled=False)
         self.tenancy = tenancy if tenancy is not None else Tenancy()
@@ -91,16 +97,20 @@ class SlotTier:
     def prepare_store(
         self, keys: Sequence[BlockKey], token_chunks: Sequence[Sequence[int]],
         tenant: str = "", spill: Spill | None = None,
+        parents: Sequence[BlockKey | None] | None = None,
     ) -> PrepareStoreResult | None:
         """Slots for the keys not yet present (storing ones count as present), pinned until
         `complete_store`; None, with nothing changed, if too few keys can be evicted. Keys
         of this batch that are already present are never evicted to make room. New keys are
-        `tenant`'s; `spill` says which retained keys a tier below keeps (host only)."""
+        `tenant`'s; `spill` says which retained keys a tier below keeps (host only);
+        `parents[i]`: the key before `keys[i]` in its prefix (None: its first block), so
+        eviction takes the prefix from its tail."""
         assert len(token_chunks) == len(keys), "one chunk per key"
-        new: dict[BlockKey, tuple[int, ...]] = {}
-        for key, tokens in zip(keys, token_chunks):
+        assert parents is None or len(parents) == len(keys), "one parent per key"
+        new: dict[BlockKey, tuple[tuple[int, ...], BlockKey | None]] = {}
+        for i, (key, tokens) in enumerate(zip(keys, token_chunks)):
             if key not in self._entries and key not in new:
-                new[key] = tuple(tokens)
+                new[key] = (tuple(tokens), parents[i] if parents is not None else None)
         evicted: list[BlockKey] = []
         shortfall = len(new) - len(self._free)
         if shortfall > 0:
@@ -108,20 +118,65 @@ class SlotTier:
             if victims is None:
                 return None
             for key in victims:
-                self._free.append(self._entries.pop(key).slot)
+                self._forget(key)
             self._counts.evictions += len(victims)
             self.log.record(self.medium, ChangeKind.REMOVED, victims)
             self.tenancy.left(self.medium, victims, evicted=True)
             evicted = victims
         slots = []
-        for key, tokens in new.items():
+        for key, (tokens, parent) in new.items():
             slot = self._free.popleft()
-            self._entries[key] = _Entry(slot, tokens)
+            self._entries[key] = _Entry(slot, tokens, parent)
+            if parent is not None:
+                self._kids[parent] = self._kids.get(parent, 0) + 1
             self._storing.add(key)
-            self.policy.insert(key)
             slots.append(slot)
+        # a prefix's tail enters the policy first: it is older, so it goes first
+        for key in reversed(new) if parents is not None else new:
+            self.policy.insert(key)
         self.tenancy.entered(self.medium, new, tenant)
         return PrepareStoreResult(list(new), slots, evicted)
+
+    def _forget(self, key: BlockKey) -> None:
+        """`key` leaves its slot (the policy has let it go already)."""
+        entry = self._entries.pop(key)
+        self._free.append(entry.slot)
+        if entry.parent is not None:
+            left = self._kids[entry.parent] - 1
+            if left:
+                self._kids[entry.parent] = left
+            else:
+                del self._kids[entry.parent]
+
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        """The key before a present `key` in its prefix (None: its first, or not told)."""
+        entry = self._entries.get(key)
+        return entry.parent if entry is not None else None
+
+    def _evict(self, m: int, skip: Skip) -> list[BlockKey]:
+        """Up to `m` victims in policy order, a prefix from its tail: first blocks that no
+        block here continues (a victim's parent may go in the next pass), then, if too few
+        can go that way, any the rules let go. The caller has counted what may go."""
+        victims: list[BlockKey] = []
+        if self._kids:
+            kids, entries = self._kids, self._entries
+            taken: Counter[BlockKey] = Counter()  # children of a key picked so far
+
+            def continued(k: BlockKey) -> bool:  # True: not a victim of these passes
+                if kids.get(k, 0) > taken[k] or skip(k):
+                    return True
+                parent = entries[k].parent
+                if parent is not None:
+                    taken[parent] += 1
+                return False
+            while len(victims) < m:
+                got = self.policy.evict(m - len(victims), continued, partial=True)
+                if not got:
+                    break
+                victims += got
+        if len(victims) < m:
+            victims += self.policy.evict(m - len(victims), skip, partial=True) or []
+        return victims
 
     def _victims(self, n: int, batch: set[BlockKey], tenant: str, incoming: int,
                  spill: Spill | None) -> list[BlockKey] | None:
@@ -134,8 +189,11 @@ class SlotTier:
         if n > unpinned:
             return None
         tenancy = self.tenancy
+        in_batch = sum(1 for k in batch if k in self._entries and not self._pinned(k))
         if not tenancy.quotas and not tenancy.any_retained:  # the plain policy
-            return self.policy.evict(n, lambda k: self._pinned(k) or k in batch)
+            if unpinned - in_batch < n:
+                return None
+            return self._evict(n, lambda k: self._pinned(k) or k in batch)
         retained = tenancy.retained_on(self.medium)
 
         def kept(k: BlockKey) -> bool:
@@ -145,8 +203,8 @@ class SlotTier:
         def spilled(k: BlockKey) -> bool:
             return self._pinned(k) or k in batch or (k in retained and k not in own)
         # unpinned keys each pass must leave: the batch's, and the retained (less `own`)
-        out_kept = len(retained) - sum(1 for k in self._pinned_keys() if k in retained) + sum(
-            1 for k in batch if k in self._entries and not self._pinned(k) and k not in retained)
+        out_kept = len(retained) - sum(1 for k in self._pinned_keys() if k in retained) + (
+            in_batch - sum(1 for k in batch if k in retained and not self._pinned(k)))
         out_spilled = out_kept - len(own)
         if unpinned - out_spilled < n:
             return None
@@ -154,7 +212,7 @@ class SlotTier:
         for skip, out in ((kept, out_kept), (spilled, out_spilled)):
             if len(victims) < n:  # every victim so far is one both passes could take
                 room = unpinned - out - len(victims)
-                victims += self.policy.evict(min(n - len(victims), room), skip) or []
+                victims += self._evict(min(n - len(victims), room), skip)
         assert len(victims) == n, "the evictable keys were counted first"
         return victims
 
@@ -193,7 +251,7 @@ class SlotTier:
                 return True
             taken[owner] += 1
             return False
-        return self.policy.evict(m, fair, partial=True) or []
+        return self._evict(m, fair)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
         """Success makes the keys visible to lookup; failure frees their slots and forgets them."""
@@ -203,8 +261,8 @@ class SlotTier:
         for key in keys:
             self._storing.remove(key)
             if not success:
-                self._free.append(self._entries.pop(key).slot)
                 self.policy.remove(key)
+                self._forget(key)
         if success:
             self._counts.stores += len(keys)
         else:
@@ -226,8 +284,9 @@ class SlotTier:
             self._counts.load_failures += len(keys)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Record hits for the policy; keys absent or still storing are ignored."""
-        for key in keys:
+        """Record hits for the policy, a prefix's tail first (its head ends the most
+        recent); keys absent or still storing are ignored."""
+        for key in reversed(keys):
             if key in self._entries and key not in self._storing:
                 self.policy.touch(key)
 
@@ -236,8 +295,8 @@ class SlotTier:
         dropped = [key for key in dict.fromkeys(keys)
                    if key in self._entries and not self._pinned(key)]
         for key in dropped:
-            self._free.append(self._entries.pop(key).slot)
             self.policy.remove(key)
+            self._forget(key)
         self.log.record(self.medium, ChangeKind.REMOVED, dropped)
         self.tenancy.left(self.medium, dropped)
         return len(dropped)
@@ -313,6 +372,8 @@ class SlotTier:
         assert not self._storing & self._pins.keys(), "a key is loading before it is stored"
         assert all(n > 0 for n in self._pins.values()), "a zero pin count was kept"
         assert len(self.policy) == len(self._entries), "policy and slots disagree"
+        parents = Counter(e.parent for e in self._entries.values() if e.parent is not None)
+        assert parents == self._kids, "the children counted are not the entries' parents"
         assert self.tenancy.retained_on(self.medium) <= self._entries.keys(), (
             "a retained key is counted on a tier that does not hold it")
         assert all(key in self.policy for key in self._entries), "a held key is not in policy"
