@@ -6,7 +6,9 @@ scheduler's thread pays both, so neither may grow with the tier's slots.
 Eviction: a host tier of `--slots` slots, full, then `--stores` stores of one new 16-block
 prefix each (16 evictions a store), timed one by one: with no retention, with one block
 retained (by another tenant), with 40% of the slots retained, and with a default quota that
-one noisy tenant is over. The p50 and p99 of a store, in ms.
+one noisy tenant is over, and with the tier full of 128-block prefixes stored a block at a
+time with their parents (vLLM's way; eviction takes each prefix from its tail). The p50 and
+p99 of a store, in ms.
 Grant: a tenancy with a retention file in a temporary directory, `--grants` retentions of one
 new 16-block prefix each granted on top of 40,000 retained blocks already saved: the p50 and
 p99 of a grant, in ms, and the file's size at the end.
@@ -58,8 +60,9 @@ def time_stores(tier: HostTier, slots: int, stores: int, tenant: str = "new") ->
     out = []
     for s in range(stores):
         keys = [key(slots * 2 + s * BLOCKS + i) for i in range(BLOCKS)]
+        parents = [None, *keys[:-1]]
         began = time.perf_counter()
-        prepared = tier.prepare_store(keys, [TOKENS] * BLOCKS, tenant)
+        prepared = tier.prepare_store(keys, [TOKENS] * BLOCKS, tenant, parents=parents)
         out.append((time.perf_counter() - began) * 1e3)
         assert prepared is not None and len(prepared.evicted) == BLOCKS
         tier.complete_store(prepared.keys, True)
@@ -129,11 +132,19 @@ def main() -> None:
             assert prepared is not None
             tier.complete_store(prepared.keys, True)
 
+    def chains(tier: HostTier, tenancy: Tenancy) -> None:  # vLLM: a block as it fills
+        for i in range(slots):
+            parent = key(i - 1) if i % 128 else None
+            prepared = tier.prepare_store([key(i)], [TOKENS], parents=[parent])
+            assert prepared is not None
+            tier.complete_store(prepared.keys, True)
+
     rows = [eviction_case("no retention", slots, args.stores, nothing),
             eviction_case("one retained block", slots, args.stores, one),
             eviction_case("40% retained (oldest)", slots, args.stores, share),
             eviction_case("quota, one tenant over", slots, args.stores, noisy,
-                          Quotas(default={"host": slots // 4}))]
+                          Quotas(default={"host": slots // 4})),
+            eviction_case("128-block chains, tail first", slots, args.stores, chains)]
     grants = [grant_case(40_000, args.grants)]
     print(f"{'eviction case':28} {'slots':>8} {'store p50 ms':>13} {'p99 ms':>9}")
     for r in rows:

@@ -163,7 +163,8 @@ class SlotTier:
             taken: Counter[BlockKey] = Counter()  # children of a key picked so far
 
             def continued(k: BlockKey) -> bool:  # True: not a victim of these passes
-                if kids.get(k, 0) > taken[k] or skip(k):
+                held = kids.get(k)  # a child first; then the rules (`skip` may count it)
+                if (held and held > taken.get(k, 0)) or skip(k):
                     return True
                 parent = entries[k].parent
                 if parent is not None:
