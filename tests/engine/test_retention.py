@@ -231,3 +231,22 @@ def test_a_later_retention_renews_blocks_already_in_redis(
         assert not below.renew_failures
     finally:
         engine.close()
+
+
+def test_one_tenant_cannot_pin_a_whole_disk_by_retaining_what_it_spills(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    """The retained share (80%) and the quota hold in every tier a retained block enters,
+    not only where it sat at the grant: one tenant retaining prompt after prompt, each
+    granted on host and then spilled to disk, filled every disk slot with retained blocks
+    before (12 of 13 here, and no other tenant's block could reach the disk)."""
+    engine = engine_of(tiny, **tiers(tmp_path, host_blocks=24, disk_kv_size=20 * BLOCK_GIB))
+    try:
+        disk_slots = engine.tier.report().below.stores["disk"].capacity
+        for r in range(12):
+            ask(engine, [(r * 37 + i * 11) % 380 + 1 for i in range(48)], "mallory",
+                retention_s=3600.0)
+        mallory = engine.tier.report().tenants["mallory"]
+    finally:
+        engine.close()
+    assert mallory.retained["disk"] <= 0.8 * disk_slots < disk_slots
+    assert mallory.held["disk"] == disk_slots  # the rest of the disk: ordinary blocks

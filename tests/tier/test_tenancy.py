@@ -362,3 +362,26 @@ def test_counted_room_and_victims_agree_with_a_walk_over_every_slot(
         elif loads:
             host.complete_load(loads.pop(0))
         host.check_invariants()
+
+
+@pytest.mark.parametrize("limit", ["share", "quota"])
+def test_a_retained_block_entering_a_full_tier_is_held_there_as_an_ordinary_one(
+        limit: str) -> None:
+    """The retained share and the owner's quota are checked in the tier a retained block
+    enters (a spill, a write-through), not only where it sat when granted: past them it is
+    held as an ordinary block, another tenant's store can take its slot, and the host must
+    keep its own copy (the disk does not keep the retention)."""
+    quotas = Quotas(default={"disk": 3}) if limit == "quota" else None
+    tenancy = Tenancy(quotas, max_retention_s=3600)
+    host, disk = HostTier(10, tenancy=tenancy), DiskTier(5, tenancy=tenancy)
+    put(host, "m", *range(1, 9))
+    assert tenancy.retain(ks(*range(1, 9)), "m", 600).refused is None  # 8 of 10 on host
+    for i in range(1, 6):  # written down to disk one by one, as the host spills them
+        put(disk, "", i)
+    kept = 3 if limit == "quota" else 4  # 80% of 5 slots, or the disk quota
+    assert tenancy.counts["m"].retained["disk"] == kept
+    assert [tenancy.kept_on(Medium.DISK, k) for k in ks(*range(1, 6))] == [
+        True] * kept + [False] * (5 - kept)
+    evicted = put(disk, "v", 20)  # another tenant's block reaches the disk
+    assert evicted == ks(kept + 1) and tenancy.counts["v"].held["disk"] == 1
+    disk.check_invariants()

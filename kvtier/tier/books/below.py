@@ -139,8 +139,14 @@ class BelowHost:
         parents = [self.host.parent_of(k) for k in keys]  # a slot tier drops a prefix tail first
         where = dict(zip(keys, tokens))
         for tier in self.tiers:
-            prepared = (tier.prepare_store(keys, tokens, parents=parents)
-                        if isinstance(tier, SlotTier) else tier.prepare_store(keys, tokens))
+            if isinstance(tier, SlotTier):
+                prepared = tier.prepare_store(keys, tokens, parents=parents)
+                room = tier.room() if prepared is None else 0
+                if room:  # too few slots for all: the leading ones, a prefix's head
+                    prepared = tier.prepare_store(keys[:room], tokens[:room],
+                                                  parents=parents[:room])
+            else:
+                prepared = tier.prepare_store(keys, tokens)
             if prepared is None:
                 self.stats.refused += 1
             elif prepared.keys:
@@ -173,6 +179,16 @@ class BelowHost:
     def holds(self, key: BlockKey) -> bool:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
         return any(t.local and t.lookup([key]) == 1 for t in self.tiers)
+
+    def keeps(self, key: BlockKey) -> bool:
+        """Whether a local tier below host holds `key` and keeps it as its retention says
+        (`holds`, and where `key` is retained, its retention holds there: a disk whose
+        retained share or the owner's quota was full when it arrived holds it as an ordinary
+        block). Only then may the host let a retained block go."""
+        tenancy = self.host.tenancy
+        retained = tenancy.retained(key)
+        return any(t.local and t.lookup([key]) == 1 and (
+            not retained or tenancy.kept_on(t.medium, key)) for t in self.tiers)
 
     def write_down_host(self) -> None:
         """Every block complete on host that a local tier lacks goes down (shutdown: so a
@@ -213,7 +229,7 @@ class BelowHost:
         # disk (they stay there, retained), as that tenant's stores may; nothing else's.
         tenancy = self.host.tenancy
         owner = tenancy.owner(keys[0]) if keys and tenancy.retained(keys[0]) else ""
-        spill = self.holds if owner else None
+        spill = self.keeps if owner else None
         n = min(len(keys), self.host.room(owner, spill))
         keys, tokens, tiers = keys[:n], tokens[:n], tiers[:n]
         if not keys:

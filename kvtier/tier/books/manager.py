@@ -298,7 +298,7 @@ class TierManager:
         tail; `chain_parents(keys)` where the keys are a prefix from its first block."""
         if not keys:
             return ()
-        prepared = self.host.prepare_store(keys, tokens, tenant, self.below.holds, parents)
+        prepared = self.host.prepare_store(keys, tokens, tenant, self.below.keeps, parents)
         if prepared is None:
             self.stats.store_refused += 1
             return None

@@ -75,11 +75,14 @@ class Grant:
 
 @dataclass
 class _Claim:
-    """A block's owner, its retention deadline (0: none), and the tiers holding it."""
+    """A block's owner, its retention deadline (0: none), the tiers holding it, and those
+    of them its retention holds in (`kept`: not one whose retained share or the owner's
+    quota was full when the block arrived)."""
 
     tenant: str
     until: float = 0.0
     media: set[Medium] = field(default_factory=set)
+    kept: set[Medium] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -147,9 +150,26 @@ class Tenancy:
             claim.media.add(medium)
             counts = self._of(claim.tenant)
             counts.held[medium.value] += 1
-            if claim.until:
-                counts.retained[medium.value] += 1
-                self._retained_on.setdefault(medium, set()).add(key)
+            if claim.until and self._admits(medium, claim.tenant, counts):
+                self._keep(key, claim, medium, counts)
+
+    def _admits(self, medium: Medium, tenant: str, counts: TenantCounts) -> bool:
+        """Whether one more retained block fits `medium`: the tier's retained share and
+        the tenant's quota there, checked in every tier a retained block enters (a spill
+        to disk, a write-through), not only where it sat at the grant."""
+        capacity = self.capacity.get(medium.value)
+        if capacity is not None and (len(self._retained_on.get(medium, ())) + 1
+                                     > MAX_RETAINED_SHARE * capacity):
+            return False
+        quota = self.quotas.of(tenant, medium)
+        return quota is None or counts.retained[medium.value] + 1 <= quota
+
+    def _keep(self, key: BlockKey, claim: _Claim, medium: Medium,
+              counts: TenantCounts) -> None:
+        """`key`'s retention holds on `medium` from now."""
+        claim.kept.add(medium)
+        counts.retained[medium.value] += 1
+        self._retained_on.setdefault(medium, set()).add(key)
 
     def left(self, medium: Medium, keys: Iterable[BlockKey], evicted: bool = False) -> None:
         """`keys` lost their slot on `medium` (`evicted`: to make room, counted so)."""
@@ -160,7 +180,8 @@ class Tenancy:
             claim.media.discard(medium)
             counts = self._of(claim.tenant)
             counts.held[medium.value] -= 1
-            if claim.until:
+            if medium in claim.kept:
+                claim.kept.discard(medium)
                 counts.retained[medium.value] -= 1
                 self._retained_on[medium].discard(key)
             if evicted:
@@ -206,6 +227,13 @@ class Tenancy:
         self.expire()
         return self._retained_on.get(medium, frozenset())
 
+    def kept_on(self, medium: Medium, key: BlockKey) -> bool:
+        """Whether `key`'s retention holds on `medium` (it is retained, and the tier had
+        room in its retained share and the owner's quota when the block arrived)."""
+        self.expire()
+        claim = self._claims.get(key)
+        return claim is not None and medium in claim.kept
+
     def retains_on(self, medium: Medium, tenant: str) -> bool:
         """Whether `tenant` has a retained block on `medium`."""
         counts = self.counts.get(tenant)
@@ -237,10 +265,10 @@ class Tenancy:
         held = [k for k in dict.fromkeys(keys) if k in self._claims]
         for key in held:
             claim = self._claims[key]
-            if not claim.until:
-                self._of(claim.tenant).retained.update(m.value for m in claim.media)
+            if not claim.until:  # `_refusal` counted it in every tier holding it
+                owner = self._of(claim.tenant)
                 for medium in claim.media:
-                    self._retained_on.setdefault(medium, set()).add(key)
+                    self._keep(key, claim, medium, owner)
             if until > claim.until:
                 claim.until = until
                 self._push(until, key)
@@ -266,7 +294,7 @@ class Tenancy:
             if quota is not None and counts.retained[medium] + n > quota:
                 return Refusal.QUOTA
         for medium, n in new.items():
-            retained = sum(c.retained[medium] for c in self.counts.values())
+            retained = len(self._retained_on.get(Medium(medium), ()))
             if retained + n > MAX_RETAINED_SHARE * self.capacity.get(medium, 0):
                 return Refusal.FULL
         return None
@@ -302,9 +330,10 @@ class Tenancy:
     def _end(self, key: BlockKey, claim: _Claim) -> None:
         """A retention ends: its block is an ordinary one again, in every tier holding it."""
         claim.until = 0.0
-        self._of(claim.tenant).retained.subtract(m.value for m in claim.media)
-        for medium in claim.media:
+        self._of(claim.tenant).retained.subtract(m.value for m in claim.kept)
+        for medium in claim.kept:
             self._retained_on[medium].discard(key)
+        claim.kept.clear()
 
     def _record(self, keys: Sequence[BlockKey]) -> None:
         """The deadlines just set go to the file's log (a grant costs its own blocks); once
