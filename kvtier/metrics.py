@@ -211,6 +211,10 @@ def _tenant_families(tenants: Mapping[str, Any]) -> Iterator[Metric]:
     asked = CounterMetricFamily(f"{PREFIX}tenant_retention", "Retention requests by answer: "
                                 "granted, or refused by reason (quota, over_max, ...).",
                                 labels=["tenant", "answer"])
+    prefetch = CounterMetricFamily(f"{PREFIX}tenant_prefetch_blocks", "Blocks a tenant's "
+                                   "prefetches brought up into host (fetched), or left below "
+                                   "for its prefetch budget (limited).",
+                                   labels=["tenant", "answer"])
     for tenant, row in tenants.items():
         for kind in ("held", "retained"):
             for tier, n in (row.get(f"{kind}_bytes") or {}).items():
@@ -221,7 +225,10 @@ def _tenant_families(tenants: Mapping[str, Any]) -> Iterator[Metric]:
         asked.add_metric([tenant, "granted"], float(row.get("retention_granted") or 0))
         for reason, n in (row.get("retention_refused") or {}).items():
             asked.add_metric([tenant, reason], float(n))
-    yield from (held, evicted, hits, asked)
+        prefetch.add_metric([tenant, "fetched"], float(row.get("prefetched_blocks") or 0))
+        prefetch.add_metric([tenant, "limited"],
+                            float(row.get("prefetch_limited_blocks") or 0))
+    yield from (held, evicted, hits, asked, prefetch)
 
 
 class EngineCollector:

@@ -116,13 +116,16 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
 
 def tenant_stats(ms: TierStats) -> dict[str, Any]:
     """Per tenant label (bounded by `kv_tenant_labels`): bytes held and retained and blocks
-    evicted per tier, blocks loaded from host, and retention asked, granted or refused."""
+    evicted per tier, blocks loaded from host, retention asked, granted or refused, and
+    blocks its prefetches brought up or were refused for its budget."""
     size = ms.slot_bytes
     return {label: {"held_bytes": {t: n * size for t, n in c.held.items()},
                     "retained_bytes": {t: n * size for t, n in c.retained.items()},
                     "evicted_blocks": dict(c.evictions), "hit_blocks": c.hits,
                     "retention_granted": c.retention_granted,
-                    "retention_refused": dict(c.retention_refused)}
+                    "retention_refused": dict(c.retention_refused),
+                    "prefetched_blocks": c.prefetched,
+                    "prefetch_limited_blocks": c.prefetch_limited}
             for label, c in ms.tenants.items()}
 
 

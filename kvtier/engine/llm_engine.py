@@ -131,20 +131,22 @@ class LLMEngine:
             self._streaming.add(rid)
         return rid
 
-    def prefetch(self, prompt: PromptType, cache_salt: str = "") -> dict[str, Any]:
+    def prefetch(self, prompt: PromptType, cache_salt: str = "", tenant: str = ""
+                 ) -> dict[str, Any]:
         """Bring this prompt's prefix up from the stores below host into host memory now,
-        for a request expected soon (a client's hint; nothing is computed). What was found:
-        the prompt's full blocks, those already on host, those on their way up and from
-        where. RequestError for a prompt no request could send."""
+        for a request expected soon (a client's hint; nothing is computed), within
+        `tenant`'s prefetch budget. What was found: the prompt's full blocks, those already
+        on host, those on their way up and from where, and those left below for the budget
+        (`limited_blocks`). RequestError for a prompt no request could send."""
         _, token_ids = self._checked_prompt(prompt)
         self.scheduler.apply(self.tier.reap())  # what landed since the last step counts
         bs = self.scheduler.block_size
         keys = hash_blocks(self.namespace(cache_salt), token_ids, bs)
         chunks = [token_ids[i * bs:(i + 1) * bs] for i in range(len(keys))]
-        found = self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks)
+        found = self.tier.prefetch(f"prefetch-{next(self._ids)}", keys, chunks, tenant)
         return {"prompt_tokens": len(token_ids), "blocks": len(keys),
                 "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
-                "from": [m.value for m in found.media]}
+                "from": [m.value for m in found.media], "limited_blocks": found.limited}
 
     def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, refused (RequestError) where no request could

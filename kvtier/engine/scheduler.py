@@ -344,7 +344,8 @@ class Scheduler:
         if hints.retention_s is not None:
             seq.retention = self.tier.retain(keys, hints.tenant, hints.retention_s).value
         if hints.expect_return_s is not None:
-            self.tier.expect(seq.request_id, keys, tokens, hints.expect_return_s)
+            self.tier.expect(seq.request_id, keys, tokens, hints.expect_return_s,
+                             hints.tenant)
 
     def abort(self, request_id: str) -> Sequence | None:
         fetching = self.fetching.pop(request_id, None)

@@ -100,13 +100,13 @@ class TierClient:
         return self.manager.match(request_id, keys, tokens, preempted, compute_ahead)
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]]) -> Prefetch:
-        """Bring this prefix up into host now (waiting for a shared store's presence
-        answer, at most its wait)."""
-        found = self.manager.prefetch(request_id, keys, tokens)
+                 tokens: Sequence[Sequence[int]], tenant: str = "") -> Prefetch:
+        """Bring this prefix up into host now, within `tenant`'s prefetch budget (waiting
+        for a shared store's presence answer, at most its wait)."""
+        found = self.manager.prefetch(request_id, keys, tokens, tenant)
         if found is None:
             self.manager.wait_presence()
-            found = self.manager.prefetch(request_id, keys, tokens)
+            found = self.manager.prefetch(request_id, keys, tokens, tenant)
         return found or Prefetch()
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
@@ -146,9 +146,10 @@ class TierClient:
         return self.manager.retain(keys, tenant, seconds)
 
     def expect(self, request_id: str, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], after_s: float) -> Grant:
-        """This session comes back `after_s` from now: have it on host by then."""
-        return self.manager.expect(request_id, keys, tokens, after_s)
+               tokens: Sequence[Sequence[int]], after_s: float, tenant: str = "") -> Grant:
+        """This session (`tenant`'s) comes back `after_s` from now: have it on host by
+        then."""
+        return self.manager.expect(request_id, keys, tokens, after_s, tenant)
 
     def stage_returns(self) -> None:
         self.manager.stage_returns()
@@ -311,7 +312,7 @@ class NullTier:
         return NO_MATCH
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]]) -> Prefetch:
+                 tokens: Sequence[Sequence[int]], tenant: str = "") -> Prefetch:
         return Prefetch()  # no tier: nothing is kept anywhere to bring up
 
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
@@ -339,7 +340,7 @@ class NullTier:
         return Grant(refused=Refusal.DISABLED)  # no tier (kv_offloading_size=0)
 
     def expect(self, request_id: str, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], after_s: float) -> Grant:
+               tokens: Sequence[Sequence[int]], after_s: float, tenant: str = "") -> Grant:
         return Grant(refused=Refusal.DISABLED)
 
     def stage_returns(self) -> None:

@@ -17,6 +17,7 @@ from kvtier.server.engine_loop import EngineLoop
 from kvtier.server.protocol import PrefetchRequest, tenant_salt
 from kvtier.server.request_body import ApiError, json_body, read_body
 from kvtier.server.routes_completions import chat_prompt, completion_prompt, guarded
+from kvtier.tier import request_tenant
 
 
 def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request], str],
@@ -44,11 +45,18 @@ def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request],
         prompt = await (chat_prompt(loop, req.messages) if req.messages is not None
                         else completion_prompt(loop, req.prompt or ""))
         salt = tenant_salt(tenant, req.cache_salt)
+        who = tenant or request_tenant(loop.engine.config.offload.tenant_source,
+                                       req.cache_salt)  # whose prefetch budget it spends
         try:
             found = await asyncio.wrap_future(
-                loop.call(lambda: loop.engine.prefetch(prompt, cache_salt=salt)))
+                loop.call(lambda: loop.engine.prefetch(prompt, cache_salt=salt, tenant=who)))
         except KvtierError as e:
             raise ApiError(400, str(e)) from None
+        if found["limited_blocks"] and not found["fetching_blocks"]:
+            raise ApiError(429, f"{found['limited_blocks']} blocks were not prefetched: this "
+                           "tenant's prefetches are over their budget (half the host "
+                           "memory tier per 10 s); retry in a few seconds",
+                           "rate_limit_exceeded", "rate_limit_error")
         return JSONResponse({"object": "kv.prefetch", "model": served_name, **found})
 
     return router

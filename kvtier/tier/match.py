@@ -43,6 +43,7 @@ class Prefetch:
     host_blocks: int = 0
     fetching_blocks: int = 0
     media: tuple[Medium, ...] = ()
+    limited: int = 0  # blocks below host left there: over the tenant's prefetch budget
 
 
 NO_MATCH = Match()

@@ -27,6 +27,8 @@ class TenantCounts:
     hits: int = 0  # blocks loaded for it from host
     retention_granted: int = 0  # retention requests granted
     retention_refused: Counter[str] = field(default_factory=Counter)  # by reason
+    prefetched: int = 0  # blocks its prefetches brought up from below host
+    prefetch_limited: int = 0  # blocks its prefetches asked for past its prefetch budget
 
     def add(self, other: TenantCounts) -> None:
         """Fold another tenant's counts into these (the `other` label)."""
@@ -36,6 +38,8 @@ class TenantCounts:
             mine.update(theirs)
         self.hits += other.hits
         self.retention_granted += other.retention_granted
+        self.prefetched += other.prefetched
+        self.prefetch_limited += other.prefetch_limited
 
 
 @dataclass

@@ -143,7 +143,8 @@ def test_a_prefetch_turns_the_disk_wake_into_a_host_wake(
     try:
         found = engine.prefetch(prompt)  # the client's hint: this session comes back soon
         assert found == {"prompt_tokens": len(prompt), "blocks": len(prompt) // 16,
-                         "host_blocks": 0, "fetching_blocks": 6, "from": ["disk"]}
+                         "host_blocks": 0, "fetching_blocks": 6, "from": ["disk"],
+                         "limited_blocks": 0}
         engine.drain()  # the user's think time: the fetch lands on host
         again = engine.prefetch(prompt)
         assert again["host_blocks"] == 6 and again["fetching_blocks"] == 0

@@ -73,7 +73,8 @@ def test_a_prefetch_brings_the_session_up_to_host_before_it_returns(tmp_path: Pa
         assert r.status_code == 200, r.text
         assert r.json() == {"object": "kv.prefetch", "model": "tiny",
                             "prompt_tokens": len(second), "blocks": len(second) // 16,
-                            "host_blocks": 0, "fetching_blocks": 6, "from": ["disk"]}
+                            "host_blocks": 0, "fetching_blocks": 6, "from": ["disk"],
+                            "limited_blocks": 0}
         deadline = time.monotonic() + 10
         while prefetch(url, {"prompt": second}).json()["host_blocks"] < 6:
             assert time.monotonic() < deadline, "the prefetch never landed on host"
@@ -102,3 +103,32 @@ def test_a_prefetch_brings_the_session_up_to_host_before_it_returns(tmp_path: Pa
         stop(proc)
     assert residency == "host"  # it would have woken from disk without the prefetch
     assert resumed == expected
+
+
+def test_a_loop_of_prefetches_is_answered_429_past_the_tenants_budget(tmp_path: Path) -> None:
+    """POST /v1/kv/prefetch was a free host flush (266-365 calls a second, every block named
+    read from disk): past half the host per 10 s, a tenant's prefetch brings nothing up and
+    is a 429 in OpenAI's shape, counted in /metrics; the blocks stay on disk."""
+    disk = tmp_path / "kv"
+    sessions = [[(s * 41 + i * 7) % 380 + 1 for i in range(160)] for s in range(6)]
+    proc, url = serve(disk)  # host 0.02 GiB: 2,560 slots of the tiny model's 8 KiB blocks
+    for prompt in sessions:
+        complete(url, prompt)
+    stop(proc)  # written down to disk: the next server finds them there, not on host
+    proc, url = start_server("--num-device-blocks", "64", "--batch-invariant",
+                             "--kv-offloading-size", str(20 * 8192 / 1024**3),
+                             "--disk-kv-path", str(disk), "--disk-kv-size", "0.01",
+                             "--disk-kv-read-gbps", "2")
+    try:
+        answers = [prefetch(url, {"prompt": p}) for p in sessions for _ in range(3)]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        stop(proc)
+    codes = [r.status_code for r in answers]
+    assert codes[0] == 200 and 429 in codes, codes
+    refused = next(r for r in answers if r.status_code == 429).json()["error"]
+    assert refused["type"] == "rate_limit_error" and refused["code"] == "rate_limit_exceeded"
+    assert "over their budget" in refused["message"]
+    fetched = sum(r.json()["fetching_blocks"] for r in answers if r.status_code == 200)
+    assert 0 < fetched <= 10  # half of 20 host slots
+    assert 'kvtier_tenant_prefetch_blocks_total{answer="limited",tenant="default"}' in metrics

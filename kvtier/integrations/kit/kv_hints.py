@@ -58,7 +58,8 @@ class KvHints:
         if EXPECT_RETURN in asks:
             s = self._checked(EXPECT_RETURN, asks[EXPECT_RETURN])
             out[EXPECT_RETURN] = (INVALID if s is None
-                                  else self.manager.expect(request_id, keys, chunks, s).value)
+                                  else self.manager.expect(request_id, keys, chunks, s,
+                                                           tenant).value)
         return out
 
     def _checked(self, name: str, value: object) -> float | None:

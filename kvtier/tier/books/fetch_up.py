@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvtier.tier.books.below import BelowHost
+from kvtier.tier.books.prefetch_budget import PrefetchBudget
 from kvtier.tier.books.state import RequestState
 from kvtier.tier.config import TierConfig
 from kvtier.tier.keys import BlockKey, Medium
@@ -21,9 +22,11 @@ class FetchUp:
     """The manager's fetches from the tiers below host, over its planner and those tiers."""
 
     def __init__(self, config: TierConfig, planner: Planner, below: BelowHost,
-                 load_policy: LoadPolicy, block_size: int, block_bytes: int) -> None:
+                 load_policy: LoadPolicy, block_size: int, block_bytes: int,
+                 budget: PrefetchBudget) -> None:
         self.config, self.planner, self.below = config, planner, below
         self.load_policy = load_policy
+        self.budget = budget  # what each tenant's prefetches may still bring up
         self.block_size = block_size
         self.block_bytes = block_bytes  # bytes of one block across the host link
 
@@ -51,19 +54,28 @@ class FetchUp:
         return False
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]], hits: int) -> Prefetch | None:
+                 tokens: Sequence[Sequence[int]], hits: int, tenant: str = ""
+                 ) -> Prefetch | None:
         """Bring what of the prefix lies below host (after the host's `hits`) up now, no
-        restore decision yet. None: a store's answer is pending."""
+        restore decision yet, as much as `tenant`'s prefetch budget allows (the rest is
+        `limited`, counted for the tenant). None: a store's answer is pending."""
         if hits == len(keys) or not self.below:
             return Prefetch(hits)
         media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
         if media is None:
             return None
         n = self.within_deadline(media)
+        allowed = self.budget.allowed(tenant)
+        limited = max(0, n - allowed)
+        n -= limited
+        counts = self.below.host.tenancy.counts_of(tenant)
+        counts.prefetch_limited += limited
         if n and self.start(request_id, keys[hits:hits + n], tokens[hits:hits + n],
                             media[:n]):
-            return Prefetch(hits, n, tuple(dict.fromkeys(media[:n])))
-        return Prefetch(hits)
+            self.budget.spend(tenant, n)
+            counts.prefetched += n
+            return Prefetch(hits, n, tuple(dict.fromkeys(media[:n])), limited)
+        return Prefetch(hits, limited=limited)
 
     def within_deadline(self, media: Sequence[Medium]) -> int:
         """How many of the leading blocks on `media` one fetch brings within the deadline's

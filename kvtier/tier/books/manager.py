@@ -40,6 +40,7 @@ from dataclasses import replace
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.fetch_up import FetchUp
 from kvtier.tier.books.host import HostTier
+from kvtier.tier.books.prefetch_budget import PrefetchBudget
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
 from kvtier.tier.books.returns import ExpectedReturns
 from kvtier.tier.books.state import PendingTransfer, RequestState
@@ -78,7 +79,7 @@ class TierManager:
         self._residency = residency if residency is not None else ResidencyLog(enabled=False)
         self.returns = ExpectedReturns()  # sessions a client said come back (expect)
         self.fetch_up = FetchUp(config, planner, below, self.load_policy, block_size,
-                                block_bytes)
+                                block_bytes, PrefetchBudget(host.num_slots))
 
     # -- queries ------------------------------------------------------------------------
 
@@ -201,11 +202,13 @@ class TierManager:
                      declined_by=declines(state.declined))
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
-                 tokens: Sequence[Sequence[int]]) -> Prefetch | None:
+                 tokens: Sequence[Sequence[int]], tenant: str = "") -> Prefetch | None:
         """A client's hint that this prefix comes back soon: bring what lies below host up
-        into host now, bounded like any fetch by the host's room and the deadline's cap.
-        None: a store's answer is pending."""
-        return self.fetch_up.prefetch(request_id, keys, tokens, self.host_hits(keys, tokens))
+        into host now, bounded like any fetch by the host's room and the deadline's cap, and
+        by `tenant`'s prefetch budget (`prefetch_budget.py`). None: a store's answer is
+        pending."""
+        return self.fetch_up.prefetch(request_id, keys, tokens, self.host_hits(keys, tokens),
+                                      tenant)
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None) -> Grant:
         """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted
@@ -219,10 +222,11 @@ class TierManager:
         return grant
 
     def expect(self, request_id: str, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], after_s: float) -> Grant:
-        """The session of `keys` (its full blocks) comes back `after_s` from now: from
-        shortly before then, what of it went below host is fetched back up."""
-        return self.returns.expect(request_id, keys, tokens, after_s, time.monotonic())
+               tokens: Sequence[Sequence[int]], after_s: float, tenant: str = "") -> Grant:
+        """The session of `keys` (its full blocks, `tenant`'s) comes back `after_s` from
+        now: from shortly before then, what of it went below host is fetched back up."""
+        return self.returns.expect(request_id, keys, tokens, after_s, time.monotonic(),
+                                   tenant)
 
     def stage_returns(self) -> None:
         """Fetch up what went below host of the sessions due back soon (every step)."""

@@ -372,6 +372,10 @@ class Tenancy:
             out.setdefault(OTHER, TenantCounts()).add(self._past)
         return out
 
+    def counts_of(self, tenant: str) -> TenantCounts:
+        """`tenant`'s counts, to add to (its prefetches: `fetch_up.py`)."""
+        return self._of(tenant)
+
     def _of(self, tenant: str) -> TenantCounts:
         counts = self.counts.get(tenant)
         if counts is None:
