@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,14 +91,23 @@ class KvtierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+OTHER = "other"  # the tenants past the label cap, together
+
+
 class KvtierPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per kvtier counter, labelled per engine as vLLM's are (and by
-    tier, and reason, where the counter has them)."""
+    tier, and reason, where the counter has them). Tenant label values forget: past
+    `kv_tenant_labels` named tenants exported, the least recently counted one's series are
+    removed (its counts start again from 0 if it comes back, which Prometheus reads as a
+    reset), so the series stay bounded however many tenants the top ranks see in turn."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._engine_labels = per_engine_labelvalues
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+        self._tenant_cap = int(extra.get("kv_tenant_labels", 16))
+        self._tenants: OrderedDict[str, None] = OrderedDict()  # least recently counted first
         self._families: dict[str, Any] = {}
         for key, documentation in COUNTERS.items():
             self._families[key] = self._counter_cls(
@@ -114,9 +124,28 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             if value > 0:
+                self._saw_tenant(key)
                 counter = self._counter(key, engine_idx)
                 if counter is not None:
                     counter.inc(value)
+
+    def _saw_tenant(self, key: str) -> None:
+        """A counter of a tenant's is about to count: it is the most recent tenant now, and
+        past the cap the least recent one's series go."""
+        tenant = _tenant_of(key)
+        if tenant is None or tenant == OTHER:
+            return
+        self._tenants[tenant] = None
+        self._tenants.move_to_end(tenant)
+        while len(self._tenants) > self._tenant_cap:
+            gone, _ = self._tenants.popitem(last=False)
+            for bound_key in [k for k in self._bound if _tenant_of(k[0]) == gone]:
+                family, *extra = bound_key[0].split("|")
+                labels = self._engine_labels.get(bound_key[1], [])
+                remove = getattr(self._families[family], "remove", None)
+                if remove is not None:
+                    remove(*labels, *extra)
+                del self._bound[bound_key]
 
     def _counter(self, key: str, engine_idx: int) -> Any:
         bound = self._bound.get((key, engine_idx))
@@ -129,3 +158,11 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             bound = self._bound[(key, engine_idx)] = self._families[family].labels(
                 *labels, *extra)
         return bound
+
+
+def _tenant_of(key: str) -> str | None:
+    """The tenant label of a data key of a per-tenant family ("tenant_hits|alice"), else
+    None."""
+    family, *extra = key.split("|")
+    labels = LABELLED.get(family, ((),))[0]
+    return extra[0] if extra and labels and labels[0] == "tenant" else None
