@@ -24,7 +24,9 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               "load_format": "auto" (vLLM's; "dummy": random weights),
               "reload_before": {"i": DIR} (before prompt i: vLLM reloads its weights in place
               from DIR, as an RL weight sync does; then, with "reset": true, resets its prefix
-              cache and the connector's: the result's "resets" says what each reset returned),
+              cache and the connector's: the result's "resets" says what each reset returned;
+              with "identity_file": PATH, "identity_before": {"i": TEXT} writes TEXT, the
+              version the reload loads, into the connector's model_identity_file first),
               "abort_wakes": [i, ...] (prompt i is added, stepped until kvtier has started
               its fetch below host, then aborted; with VLLM_ENABLE_V1_MULTIPROCESSING=0 the
               result's "pinned" says what kvtier's host tier still pins at the end)}
@@ -204,6 +206,8 @@ def main() -> None:
             late = wait < 0
             time.sleep(max(0.0, wait))
         if n in reloads:  # new weights in the running engine, then (maybe) the cache reset
+            if str(n) in spec.get("identity_before", {}):  # the sync names its version
+                Path(spec["identity_file"]).write_text(spec["identity_before"][str(n)])
             llm.collective_rpc("reload_weights", kwargs={"weights_path": reloads[n]})
             if spec.get("reset"):
                 resets.append(llm.reset_prefix_cache(reset_connector=True))

@@ -127,3 +127,33 @@ def test_wakes_aborted_while_their_fetch_is_in_flight_leave_nothing_pinned(
     hit = first["results"][1]
     assert hit["cached"] == 3 * 128
     assert answer(woken) == answer(hit)
+
+
+def test_a_fresh_vllm_on_the_version_a_sync_moved_to_restores_what_the_synced_one_stored(
+        vllm_python: Path, smollm2_hf: Path, tiers: dict[str, Any], tmp_path: Path) -> None:
+    # vLLM A starts on version "v1" (model_identity_file), reloads new weights in place as
+    # a weight sync does, the file naming "v2" first, and resets: A is computed by the new
+    # weights and stored on host, disk and Redis under v2's keys. vLLM B then starts fresh on
+    # the new weights with the file naming "v2": it restores A. Before, A's blocks kept the
+    # headers and Redis prefixes of the version it started on, and B restored 0 tokens.
+    new = Path(shutil.copytree(smollm2_hf, tmp_path / "new"))
+    scale_and_resave(new, V_PROJ, 4.0)
+    version = tmp_path / "version"
+    version.write_text("v1")
+    digests = tmp_path / "digests"
+    connector = {**tiers, "model_identity_file": str(version)}
+    a, *evictors = prompts(n_evictors=4)[:5]
+    run = parse(run_vllm(vllm_python, smollm2_hf, {
+        "connector": connector, "blocks": POOL, "reset": True,
+        "prompts": [a, *evictors, a, *evictors, a], "reload_before": {"5": str(new)},
+        "identity_file": str(version), "identity_before": {"5": "v2"}},
+        env={**ONE_PROCESS, "KVTIER_CACHE_DIR": str(digests)}).stdout)
+    assert run["resets"] == [True]
+    computed, synced = run["results"][5], run["results"][-1]
+    assert computed["kv_transfer_params"]["kvtier_restored_tokens"] == 0  # new weights
+    assert synced["kv_transfer_params"]["kvtier_restored_tokens"] == FULL  # its v2 blocks
+    fresh = serve_a(vllm_python, new, {**connector, "kv_offloading_size": 0.25}, digests)
+    assert version.read_text() == "v2"
+    assert fresh["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
+    assert fresh["kv_transfer_params"]["kvtier_residency"] in ("disk", "remote")
+    assert answer(fresh) == answer(synced)

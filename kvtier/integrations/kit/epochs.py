@@ -19,7 +19,10 @@ process's own requests, never found by another process or after a restart.
 
 Blocks below host keep the header namespace they were written with (the deployment's at
 start: the worker's stores are built once); only the keys move. A key chained from another
-identity is never asked for, so the header never has to tell them apart.
+identity is never asked for, so the header never has to tell them apart. With
+`model_identity_file` that header namespace leaves the weights' identity to the keys
+(`DeploymentPlan.namespace`), so a fresh process started on the version a reset moved to
+reads what the reset process stored.
 """
 
 from __future__ import annotations

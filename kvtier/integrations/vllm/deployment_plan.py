@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+IDENTITY_IN_KEYS = "in-keys"  # the stored namespace's weights part where resets move it
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,23 @@ class DeploymentPlan:
     rank: int  # this process's worker rank (0 in the scheduler: it reads rank 0's storage)
     config: TierConfig  # this rank's share of the sizes, its own disk directory
     windows: tuple[Window | None, ...]  # per KV cache group (None: every block is kept)
+    # model_identity_file given: the weights' identity moves with each cache reset (the
+    # version a weight sync loaded), so it lives in the key chain alone (`namespace`)
+    identity_moves: bool = False
 
     @property
     def namespace(self) -> bytes:
         """What this rank's blocks below host carry (and its Redis keys start with): a block
-        of another fingerprint, split or rank is refused."""
+        of another fingerprint, split or rank is refused. Where the identity moves with
+        resets, the weights' part is left to the keys (chained from the identity in force):
+        the headers and prefixes stay those of a fresh vLLM started on the version a reset
+        moved to, so the two share; before, a reset instance kept its start version's, and a
+        fresh one on the new version restored nothing from it."""
+        base = (replace(self.fingerprint, weights_digest=IDENTITY_IN_KEYS)
+                if self.identity_moves else self.fingerprint)
         if self.world_size == 1:
-            return self.fingerprint.namespace()
-        return self.fingerprint.of_shard(f"rank={self.rank}").namespace()
+            return base.namespace()
+        return base.of_shard(f"rank={self.rank}").namespace()
 
 
 def _kernels(vllm_config: VllmConfig, platform: Any) -> str:
@@ -168,4 +178,4 @@ def deployment_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         parallel=split.describe(),
     )
     return DeploymentPlan(block_size, nbytes, expected, fingerprint, split.world_size, rank, share,
-                 tuple(g.window for g in served))
+                 tuple(g.window for g in served), own.model_identity_file is not None)
