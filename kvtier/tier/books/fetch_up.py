@@ -57,16 +57,15 @@ class FetchUp:
                  tokens: Sequence[Sequence[int]], hits: int, tenant: str = ""
                  ) -> Prefetch | None:
         """Bring what of the prefix lies below host (after the host's `hits`) up now, no
-        restore decision yet, as much as `tenant`'s prefetch budget allows (the rest is
-        `limited`, counted for the tenant). None: a store's answer is pending."""
+        restore decision yet, if `tenant`'s prefetch budget allows (else it is all `limited`,
+        counted for the tenant). None: a store's answer is pending."""
         if hits == len(keys) or not self.below:
             return Prefetch(hits)
         media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
         if media is None:
             return None
         n = self.within_deadline(media)
-        allowed = self.budget.allowed(tenant)
-        limited = max(0, n - allowed)
+        limited = 0 if self.budget.allows(tenant) else n
         n -= limited
         counts = self.below.host.tenancy.counts_of(tenant)
         counts.prefetch_limited += limited

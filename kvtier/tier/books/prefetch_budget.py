@@ -2,10 +2,12 @@
 tenant, so a prefetch (a client's hint, nothing computed) cannot be a free host flush.
 
 Unbounded, one client made 266-365 prefetch calls a second, read up to 7,950 blocks from disk
-and pushed another tenant's session from host down to disk. Each tenant may bring up at most
-`share` of the host's slots at once (half), refilled over `window_s` (10 s): a session's
-return is one prefetch, inside it; a loop of them is cut to that rate, and each block it
-asked for past the rate is counted (the tenant's `prefetch_limited`), never fetched.
+and pushed another tenant's session from host down to disk. Each tenant's bucket holds `share`
+of the host's slots (half), refilled over `window_s` (10 s). A prefetch goes whole while its
+tenant's bucket holds a block's worth, and may take it below empty (a session larger than the
+bucket is still staged whole, on a small host too); the debt is paid back at the refill rate
+before the next one goes, so a loop is cut to that rate, and each block it asked for while
+the bucket was empty is counted (the tenant's `prefetch_limited`), never fetched.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ class PrefetchBudget:
         self.clock = clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # level, at
 
-    def allowed(self, tenant: str) -> int:
-        """Whole blocks `tenant` may prefetch now."""
-        return int(self._level(tenant))
+    def allows(self, tenant: str) -> bool:
+        """Whether `tenant` may prefetch now (its bucket holds a block's worth)."""
+        return self._level(tenant) >= 1.0
 
     def spend(self, tenant: str, blocks: int) -> None:
-        """`blocks` of `tenant`'s prefetch started up."""
-        self._buckets[tenant] = (max(0.0, self._level(tenant) - blocks), self.clock())
+        """`blocks` of `tenant`'s prefetch started up (the bucket may go below empty, as
+        far as one bucket: a debt paid back before the next)."""
+        level = max(-self.capacity, self._level(tenant) - blocks)
+        self._buckets[tenant] = (level, self.clock())
         self._buckets.move_to_end(tenant)
         while len(self._buckets) > MAX_BUCKETS:  # a full bucket says nothing: forget it
             self._buckets.popitem(last=False)
