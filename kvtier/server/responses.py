@@ -42,8 +42,8 @@ class Responder:
             params = req.sampling(max_tokens)
             stream = await loop.submit(prompt, params,
                                        cache_salt=tenant_salt(tenant, req.cache_salt),
-                                       hints=req.hints(tenant or request_tenant(
-                                           self.tenant_source, req.cache_salt)))
+                                       hints=req.hints(request_tenant(
+                                           self.tenant_source, req.cache_salt, tenant)))
         except RequestFailed as e:
             raise ApiError(e.status, str(e), kind="server_error") from None
         except KvtierError as e:

@@ -45,8 +45,8 @@ def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request],
         prompt = await (chat_prompt(loop, req.messages) if req.messages is not None
                         else completion_prompt(loop, req.prompt or ""))
         salt = tenant_salt(tenant, req.cache_salt)
-        who = tenant or request_tenant(loop.engine.config.offload.tenant_source,
-                                       req.cache_salt)  # whose prefetch budget it spends
+        who = request_tenant(loop.engine.config.offload.tenant_source, req.cache_salt,
+                             tenant)  # whose prefetch budget it spends
         try:
             found = await asyncio.wrap_future(
                 loop.call(lambda: loop.engine.prefetch(prompt, cache_salt=salt, tenant=who)))

@@ -34,8 +34,11 @@ class TenantSource(str, enum.Enum):
                 "clients cannot") from None
 
 
-def request_tenant(source: TenantSource, cache_salt: str | None) -> str:
-    """The tenant of a request no API key or router header names ("" for the one tenant)."""
+def request_tenant(source: TenantSource, cache_salt: str | None, named: str = "") -> str:
+    """A request's tenant: `named`, the one its API key or the router's header names, else
+    as `source` says ("" for the one tenant)."""
+    if named:
+        return named
     return (cache_salt or "") if source is TenantSource.CACHE_SALT else ""
 
 
