@@ -18,9 +18,11 @@ so the planner's error is reported, not assumed.
 
 A tier below host that misses a fetch's deadline is taken as slow at once, not blended in:
 its rate is read as at most what landed over the time it had (`observe_slow`), so the very
-next decision recomputes. That slowdown holds for a cool-down (`slow_retry_s`, doubled by
-each miss in a row up to `slow_retry_max_s`); after it the tier's healthy estimate is used
-again, so one fetch probes it: on time, the slowdown is forgotten; late, a longer cool-down.
+next decision weighs it at that rate (recomputing where it now loses, counted as declined,
+never skipped unsaid; a prefetch does not ask it). That slowdown holds for a cool-down
+(`slow_retry_s`, doubled by each miss in a row up to `slow_retry_max_s`); after it the
+tier's healthy estimate is used again, so one fetch probes it: on time, the slowdown is
+forgotten; late, a longer cool-down.
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ class Planner:
         return self.calibration.tier_gbps[tier]
 
     def slow_tiers(self) -> set[str]:
-        """The tiers below host in a cool-down now (a wake from them would be recomputed:
-        not even worth asking them what they hold)."""
+        """The tiers below host in a cool-down now (a prefetch, which no wait justifies, does
+        not ask them what they hold; a wake does, and weighs them at their slow rate)."""
         now = self.clock()
         return {tier for tier, slow in self.slowdowns.items() if now < slow.until}
 

@@ -32,6 +32,7 @@ a deeper tier's slots in theirs): neither is evicted nor handed out again.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,8 @@ from kvtier.tier.match import FETCHING, NO_MATCH, Match, Prefetch, declines
 from kvtier.tier.outcome import RequestOutcome, landed
 from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
+
+log = logging.getLogger(__name__)
 
 
 class TierManager:
@@ -177,7 +180,9 @@ class TierManager:
         if cap is not None:
             hits = min(hits, cap // self.block_size)
         if not preempted and not state.checked_below and hits < len(keys) and self.below:
-            media = self.below.hits(keys[hits:], tokens[hits:], self.planner.slow_tiers())
+            # A tier in a slow cool-down is asked too: the planner weighs it at the rate it
+            # showed, and what that rules out is counted declined, never skipped unsaid.
+            media = self.below.hits(keys[hits:], tokens[hits:])
             if media is None:
                 return None
             state.checked_below = True
@@ -354,11 +359,22 @@ class TierManager:
             state.fetching = False  # asked again: the host holds what verified
             state.fetched_from = done.source if done.fetched else None
             state.declined[Decline.LOST] += done.missed * self.block_size
-        if done.slow is not None:  # one late fetch: that tier recomputes for a while
-            self.planner.observe_slow(done.slow.value, result.nbytes, result.seconds)
+        if done.slow is not None:  # one late fetch: that tier is planned slow for a while
+            tier = done.slow.value
+            self.planner.observe_slow(tier, result.nbytes, result.seconds)
+            slow = self.planner.slowdowns[tier]
+            log.warning("kvtier: a fetch from the %s tier missed its deadline (%d of %d "
+                        "blocks in %.2f s): its wakes are planned at %.3g MB/s for %.0f s, "
+                        "then one fetch probes it", tier, done.fetched,
+                        done.fetched + done.missed, result.seconds, slow.gbps * 1e3,
+                        slow.window_s)
         elif done.source is not None and result.nbytes:
-            self.planner.observe_tier(done.source.value, result.nbytes, result.seconds,
-                                      done.predicted_s)
+            tier = done.source.value
+            was_slow = tier in self.planner.slowdowns
+            self.planner.observe_tier(tier, result.nbytes, result.seconds, done.predicted_s)
+            if was_slow:
+                log.warning("kvtier: a fetch from the %s tier met its deadline: planned at "
+                            "its measured rate again", tier)
 
     def _finish(self, pending: PendingTransfer, result: Result) -> Event:
         job, ok = pending.job, result.success

@@ -203,6 +203,24 @@ def test_server_killed_and_restarted(redis_server: RedisServer) -> None:
     assert store.ping() and store.errors == 2
 
 
+def test_a_probe_that_ends_in_an_unexpected_error_does_not_hold_the_breaker_open(
+        redis_server: RedisServer) -> None:
+    # Issue 42, item 14 asked whether a breaker stayed open: one did, for good, when the
+    # call that probed a recovered server raised anything but a Redis or OS error.
+    store = RedisStore(redis_server.url, NS, timeout_s=0.5, retry_after_s=0.2)
+    redis_server.stop()
+    fails_in(store, lambda s: s.get_many([b"k"]))  # the breaker opens
+    redis_server.start()
+    time.sleep(0.25)
+
+    def bug(client: redis.Redis) -> None:
+        raise RuntimeError("a bug in the call, not an outage")
+
+    with pytest.raises(RuntimeError):
+        store._call("get", bug)  # the probe
+    assert store.get_many([b"k"]) == [None]  # the next call goes out: the probe was freed
+
+
 def test_concurrent_callers(redis_server: RedisServer) -> None:
     store = RedisStore(redis_server.url, NS)
     failures: list[BaseException] = []

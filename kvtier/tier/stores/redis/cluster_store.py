@@ -304,6 +304,9 @@ class ClusterStore(KeyedStore):
             error = RemoteTimeout if what == "put" and timed_out(e) else RemoteUnavailable
             return error(f"remote tier {self._url_for_log} {what} on node {node.name} "
                          f"failed: {self._record(e)}")
+        except BaseException:
+            breaker.released()  # a bug of ours: a probe it held must not stay held
+            raise
         breaker.succeeded()
         return replies
 
@@ -345,6 +348,9 @@ class ClusterStore(KeyedStore):
             self._reach.failed()
             raise RemoteUnavailable(f"remote tier {self._url_for_log} unreachable: "
                                     f"{self._record(e)}") from e
+        except BaseException:
+            self._reach.released()  # a bug of ours: the probe must not stay held
+            raise
         finally:
             with self._lock:
                 self._building = False

@@ -306,6 +306,9 @@ class RedisStore(KeyedStore):
             reason = self._record(e)
             error = RemoteTimeout if what == "put" and timed_out(e) else RemoteUnavailable
             raise error(f"remote tier {self._url_for_log} {what} failed: {reason}") from e
+        except BaseException:
+            self._breaker.released()  # a bug of ours: a probe it held must not stay held
+            raise
         self._breaker.succeeded()
         return result
 
