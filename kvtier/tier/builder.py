@@ -159,6 +159,8 @@ def _manager(config: TierConfig, block_size: int, host_slots: int, slot_bytes: i
     """The bookkeeping: the host index, the planner (over `calibration`, the tiers' read
     rates measured in) and the manager over the tiers below host."""
     ids = job_ids()
+    if config.max_load_gbps is not None:  # loads are paced to it: planned at it too
+        calibration.link_gbps = min(calibration.link_gbps, config.max_load_gbps)
     host = HostTier(host_slots, config.eviction_policy, changes, tenancy)
     below = BelowHost(host, tiers, slot_bytes, ids, encoding)
     return TierManager(config, block_size, host, Planner(calibration), block_nbytes, below, ids,
@@ -223,7 +225,8 @@ def _host_and_link(config: TierConfig, layout: KVLayout, faults: Faults, undo: E
                               encoding=config.kv_offload_dtype or "")
     undo.callback(host.release)
     link = TransferEngine(layout, host, config.blocks_per_chunk, faults.link,
-                          store_gbps=config.max_store_gbps, load_threads=config.load_threads)
+                          store_gbps=config.max_store_gbps, load_gbps=config.max_load_gbps,
+                          load_threads=config.load_threads)
     undo.callback(link.close)
     return host, link
 

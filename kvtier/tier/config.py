@@ -91,6 +91,7 @@ BOUNDS: dict[str, Bounds] = {
     "blocks_per_chunk": (1, 2**20),
     "load_copy_threads": (1, 256),
     "max_store_gbps": _RATE,
+    "max_load_gbps": _RATE,
     "disk_kv_size": (0.0, 2.0**24),  # GiB: 16 PiB of disk
     "remote_kv_ttl_s": _SECONDS,
     "disk_kv_max_gbps": _RATE,
@@ -119,6 +120,10 @@ class TierConfig:
     # Cap on background store bandwidth (GB/s, CPU): stores yield memory bandwidth to
     # decode, which is bound by it. None: copy as fast as the link allows. Loads never wait.
     max_store_gbps: float | None = None
+    # Cap on host -> device load bandwidth (GB/s, averaged over every load): the restore
+    # bandwidth a deployment gives wakes, so decode keeps the rest. The planner plans loads
+    # at it. None: as fast as the link allows.
+    max_load_gbps: float | None = None
     # CPU threads that share a whole-block host -> device load a request waits on (nothing
     # computes beside it); None: two where the machine has two cores. Layer-wise loads and
     # stores keep one thread: they run beside compute.
@@ -211,8 +216,10 @@ class TierConfig:
             raise ConfigError(f"max_load_tokens={self.max_load_tokens} must be >= 0")
         if self.blocks_per_chunk < 1:
             raise ConfigError(f"blocks_per_chunk={self.blocks_per_chunk} must be >= 1")
-        if self.max_store_gbps is not None and not self.max_store_gbps > 0:
-            raise ConfigError(f"max_store_gbps={self.max_store_gbps} must be > 0 (or unset)")
+        for name in ("max_store_gbps", "max_load_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value} must be > 0 (or unset)")
         LoadPolicy.parse(self.load_policy)
         TenantSource.parse(self.kv_tenant_from)
         self._validate_quotas()

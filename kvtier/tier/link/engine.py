@@ -13,12 +13,15 @@ Each result is delivered once, by `poll` or by `wait`. From `submit` until then 
 device blocks and host slots are the engine's: the caller must not reuse or free them.
 
 One worker thread takes jobs a step at a time (a chunk of `blocks_per_chunk` blocks, or one
-layer of a layerwise load), always from the load queue first: loads are on the critical path,
-so a load submitted behind a long store waits for at most one chunk. On CPU the worker copies;
-on CUDA it issues copies on one side stream per direction and records an event after each
-step. A job's copies start only after the work queued on the submitting thread's current
-stream at `submit` (so a store never reads KV that compute is still writing, and a load never
-overwrites a block an earlier kernel still reads); consumers of a load wait on its events.
+layer of a layerwise load), always from the load queue first: loads are on the critical
+path, so a load submitted behind a long store waits for at most one chunk. With `load_gbps`
+(`max_load_gbps`) the loads average at most that rate: on CPU a load step is usable only
+when its bytes would have crossed at the cap; on CUDA the next load step starts late. On CPU
+the worker copies; on CUDA it issues copies on one side stream per direction and records an
+event after each step. A job's copies start only after the work queued on the submitting
+thread's current stream at `submit` (so a store never reads KV that compute is still
+writing, and a load never overwrites a block an earlier kernel still reads); consumers of a
+load wait on its events.
 """
 
 from __future__ import annotations
@@ -71,8 +74,10 @@ class TransferEngine:
         fault: LinkFault = no_link_fault,
         store_gbps: float | None = None,
         load_threads: int = 1,
+        load_gbps: float | None = None,
     ) -> None:
-        """`load_threads`: CPU threads that share a whole-block load (`copy.CopyTeam`)."""
+        """`load_threads`: CPU threads that share a whole-block load (`copy.CopyTeam`);
+        `load_gbps`: the loads' average bandwidth cap (`max_load_gbps`)."""
         layout = as_layout(device)
         check_link_setup(layout, host, blocks_per_chunk)
         self.layout = layout
@@ -80,6 +85,8 @@ class TransferEngine:
         self.blocks_per_chunk = blocks_per_chunk
         self.fault = fault
         self.store_gbps = store_gbps  # CPU: cap on store bandwidth, so stores yield to compute
+        self.load_gbps = load_gbps
+        self._load_free_at = 0.0  # worker only: when the loads so far have crossed at the cap
         self._cuda = layout.is_cuda
         self._team = CopyTeam(1 if self._cuda else load_threads)
         self._streams: dict[Medium, Any] = {}
@@ -258,6 +265,9 @@ class TransferEngine:
             raise InjectedFault(f"injected fault in step {idx} of job {job.id}")
         if self._closing:
             return
+        paced = self.load_gbps is not None and job.direction is LOAD
+        if paced and self._cuda:  # the copy runs at full speed: the next one starts late
+            self._pause_until(self._load_free_at)
         start = time.perf_counter()
         event = None
         if self._cuda:
@@ -272,6 +282,12 @@ class TransferEngine:
                 event.record(stream)
         else:
             nbytes = self._copy(job, idx)
+        if paced:
+            assert self.load_gbps is not None
+            self._load_free_at = (max(start, self._load_free_at)
+                                  + nbytes / (self.load_gbps * 1e9))
+            if not self._cuda:  # what the link would have taken: usable only then
+                self._pause_until(self._load_free_at)
         end = time.perf_counter()
         with self._cond:
             if job.state is not JobState.QUEUED:  # closed meanwhile
@@ -294,6 +310,12 @@ class TransferEngine:
                 # Stores are background work: pause so they average at most store_gbps and
                 # leave memory bandwidth to decode. A submitted load wakes the worker early.
                 self._cond.wait(max(0.0, nbytes / (self.store_gbps * 1e9) - (end - start)))
+
+    def _pause_until(self, when: float) -> None:
+        """The worker waits until `when` (perf_counter), or until the engine closes."""
+        with self._cond:
+            while not self._closing and (left := when - time.perf_counter()) > 0:
+                self._cond.wait(left)
 
     def _copy(self, job: Copy, idx: int) -> int:
         spec, host, encoding = job.job, self.host.tensor, self.host.encoding

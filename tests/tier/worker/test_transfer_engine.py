@@ -288,3 +288,37 @@ def test_layers_not_evenly_spaced_in_one_allocation_are_copied_layer_by_layer() 
     for i, t in enumerate(layers):
         want[i][2], want[i][0] = host[1, i], host[2, i]
         assert torch.equal(t, want[i])
+
+
+def test_loads_are_paced_to_max_load_gbps_and_stay_exact() -> None:
+    # 8 blocks of 1,536 bytes in 0.2 s: two whole loads of 4 and one layer-wise load of 4
+    # take at least 0.2 s and 0.1 s, whatever this machine's memory copies could do
+    cap = 8 * BLOCK_BYTES / 0.2 / 1e9
+    kv = make_kv()
+    source = kv.clone()
+    with TransferEngine(kv, HostPool.like(kv, 24), load_gbps=cap) as engine:
+        engine.wait(engine.submit(store(list(range(12)), list(range(12)))), 5)
+        began = time.perf_counter()
+        a = engine.submit(load([12, 13, 14, 15], [0, 1, 2, 3]))
+        b = engine.submit(load([16, 17, 18, 19], [4, 5, 6, 7]))
+        assert engine.wait(a, 5).success and engine.wait(b, 5).success
+        assert time.perf_counter() - began >= 0.2 * 0.99
+        began = time.perf_counter()
+        c = engine.submit(load([20, 21, 22, 23], [8, 9, 10, 11], layerwise=True))
+        assert engine.wait(c, 5).success
+        assert time.perf_counter() - began >= 0.1 * 0.99
+        assert engine.stats().load.bytes == 12 * BLOCK_BYTES
+    assert torch.equal(kv[12:24], source[:12])
+
+
+def test_close_does_not_wait_out_a_paced_load() -> None:
+    # the step's copy is done and its pacing cut short: it ends as its current step, whole
+    kv = make_kv()
+    engine = TransferEngine(kv, HostPool.like(kv, 8), load_gbps=BLOCK_BYTES / 30.0 / 1e9)
+    engine.host.tensor[3] = torch.randn(3, 4, 2, 2, 8)
+    job = engine.submit(load([0], [3]))  # 30 s at the cap
+    time.sleep(0.05)
+    began = time.perf_counter()
+    engine.close()
+    assert time.perf_counter() - began < 3.0
+    assert engine.wait(job, timeout=1).success and torch.equal(kv[0], engine.host.tensor[3])
