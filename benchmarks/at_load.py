@@ -9,7 +9,10 @@ reason); every answer is checked against plain vLLM's for the same request (temp
 
     python benchmarks/at_load.py [--preset cpu] [--harness vllm-bench,guidellm]
                                  [--loads 1,2,6] [--configs vllm,limit,...] [--repeats N]
-                                 [--out DIR]
+                                 [--regime MODEL@HARDWARE[:TOKENS]] [--out DIR]
+`--regime` caps kvtier's restores (`max_load_gbps`) so that this machine restores a prefix of
+TOKENS (default: the vllm-bench prefix) as many times faster than it recomputes it as that
+model does on that GPU (`kvtier plan`; `regime.py`), and prints that line with the results.
 Needs bash scripts/vllm_env.sh and bash scripts/harness_env.sh. Presets: `cpu` (this
 2-core machine: SmolLM2-135M float32, a 24-block pool) and `stock`, the harnesses' own
 parameters for a GPU (PRESETS below); writes JSON, an HTML page with the curves, and PNGs.
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 from at_load_report import report, write_pages  # noqa: E402
 from common import write_result  # noqa: E402
 from local_redis import LocalRedis  # noqa: E402
+from regime import Regime, regime  # noqa: E402
 from vllm_run import VLLM_PYTHON, VllmServer  # noqa: E402
 
 from kvtier.bench.harnesses import (  # noqa: E402
@@ -75,8 +79,10 @@ HOST = {"kv_offloading_size": 1.0}
 SMALL_HOST = {"kv_offloading_size": 0.08}  # ~14 blocks: the rest of the sessions lives below
 
 
-def configs(tmp: Path, redis_url: str | None) -> dict[str, tuple[str, dict[str, Any] | None]]:
-    """name -> (pool: "pool" or "limit", kvtier's connector config or None)."""
+def configs(tmp: Path, redis_url: str | None, capped: Regime | None = None
+            ) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """name -> (pool: "pool" or "limit", kvtier's connector config or None); `capped`: every
+    kvtier configuration's restores at that regime's `max_load_gbps`."""
     out: dict[str, tuple[str, dict[str, Any] | None]] = {
         "vllm": ("pool", None), "limit": ("limit", None),
         "kvtier-host": ("pool", HOST),
@@ -87,6 +93,9 @@ def configs(tmp: Path, redis_url: str | None) -> dict[str, tuple[str, dict[str, 
         "threshold:1024:8": ("pool", {**HOST, "load_policy": "threshold:1024:8"})}
     if redis_url is not None:
         out["kvtier-redis"] = ("pool", {**SMALL_HOST, "remote_kv_url": redis_url})
+    if capped is not None:
+        out = {name: (pool, {**c, "max_load_gbps": capped.cap_gbps} if c else None)
+               for name, (pool, c) in out.items()}
     return out
 
 
@@ -164,6 +173,8 @@ def main() -> int:
     ap.add_argument("--configs", default=None, help="a subset of the configurations, by name")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per load level, each on new data: their spread is the run's own")
+    ap.add_argument("--regime", default=None,
+                    help="MODEL@HARDWARE[:TOKENS]: restores as that GPU's ratio (regime.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     harnesses = args.harness.split(",")
@@ -183,9 +194,21 @@ def main() -> int:
     from kvtier.model.loader import load_model
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-at-load-"))
-    model = export_hf(load_model(None), tmp / "smollm2-135m")
+    loaded = load_model(None)
+    model = export_hf(loaded, tmp / "smollm2-135m")
+    capped = None
+    if args.regime:  # measured on plain vLLM with the pool every configuration gets
+        plain = VllmServer(model, None, preset["blocks"], tmp / "regime.log",
+                           max_model_len=preset["max_model_len"],
+                           max_num_seqs=preset["max_num_seqs"]).start()
+        try:
+            capped = regime(args.regime, preset["vllm-bench"]["prefix_len"], plain.url,
+                            loaded.spec.kv_bytes_per_token(4))  # the server runs float32
+        finally:
+            plain.close()
+        print(capped.line(), flush=True)
     redis = LocalRedis()
-    table = configs(tmp, redis.url)
+    table = configs(tmp, redis.url, capped)
     names = args.configs.split(",") if args.configs else list(table)
     unknown = set(names) - set(table)
     if unknown:
@@ -222,10 +245,12 @@ def main() -> int:
               for h, by in runs.items() if "vllm" in by}
     summary = report(runs, checks)
     doc = {"preset": args.preset, "params": preset, "loads": loads, "repeats": args.repeats,
-           "summary": summary,
+           "summary": summary, "regime": capped.to_json() if capped else None,
            "redis": redis.reason or "loopback redis-server"}
     path = write_result("at_load", doc, args.out)
     pages = write_pages(summary, path.with_suffix(""), " ".join(sys.argv[1:]))
+    if capped is not None:
+        print(capped.line())
     print(f"wrote {path} and {', '.join(str(p) for p in pages)}")
     return 0
 
