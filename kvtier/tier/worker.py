@@ -72,8 +72,9 @@ class TierWorker:
     def poll(self) -> list[Result]:
         return self.link.poll() + self.io.poll()
 
-    def wait(self, job_id: int) -> Result:
-        return self.link.wait(job_id)
+    def wait(self, job_id: int, timeout: float | None = None) -> Result:
+        """TimeoutError if the device <-> host job is not done within `timeout`."""
+        return self.link.wait(job_id, timeout)
 
     def wait_any(self) -> list[Result]:
         """Block until a job lands: the oldest device <-> host job, else any I/O job."""

@@ -72,6 +72,35 @@ def test_failed_loads_recompute_with_identical_output(vllm_python: Path, smollm2
     assert run["metrics"]["vllm:kvtier_restored_tokens"] == 0
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["lands", "fails"])
+def test_an_async_restore_at_a_capped_link_comes_back_exactly(
+        vllm_python: Path, smollm2_hf: Path, reference: list[dict], fail: bool) -> None:
+    # async_loading=always: vLLM holds the request in WAITING_FOR_REMOTE_KVS while the load
+    # crosses a link capped at 0.2 GB/s (7 blocks, ~0.2 s), and schedules it once the worker
+    # says it landed; a load that fails is reported with its blocks as load errors, and vLLM
+    # recomputes them. Either way the answer is the reference's, token for token (and
+    # logprob for logprob where it was restored: a full recompute rounds otherwise).
+    connector = {**HOST, "async_loading": "always", "max_load_gbps": 0.2}
+    run = parse(run_vllm(vllm_python, smollm2_hf,
+                         {"connector": connector, "blocks": POOL, "prompts": prompts(),
+                          "policy": "recompute", "metrics": True},
+                         env={**ONE_PROCESS, **({"KVTIER_FAULT_LOADS": "1"} if fail else {})}
+                         ).stdout)
+    again = run["results"][-1]
+    assert again["tokens"] == reference[-1]["tokens"]
+    m = run["metrics"]
+    if fail:
+        assert again["kv_transfer_params"]["kvtier_restored_tokens"] == 0
+        assert m["vllm:kvtier_failed_loads"] == 1 and m["vllm:kvtier_restored_tokens"] == 0
+    else:
+        assert again["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
+        assert again["logprobs"] == reference[-1]["logprobs"] and again["cached"] == FULL
+        assert m["vllm:kvtier_restored_tokens"] == FULL and m["vllm:kvtier_failed_loads"] == 0
+        # the restore took what the cap allows (planned at it too), not a memory copy's 5 ms
+        seconds = m["vllm:kvtier_restore_seconds"]
+        assert seconds >= 7 * KV_BYTES_PER_BLOCK / 0.2e9 * 0.95
+
+
 def test_failed_load_under_fail_policy_fails_that_request_and_vllm_serves_on(
         vllm_python: Path, smollm2_hf: Path) -> None:
     fresh = [random.Random(1).randrange(100, 49000) for _ in range(300)]  # nothing to load

@@ -41,6 +41,9 @@ class RequestState:
     local_blocks: int = 0  # vLLM's own prefix hit when `match` was made
     need: list[tuple[int, int]] = field(default_factory=list)  # (group, block) `match` loads
     offered: int = 0  # tokens `match` let vLLM skip computing (from its own hit on)
+    load_async: bool = False  # `match`'s load runs beside the steps of others (vLLM waits)
+    load_failed: bool = False  # a load of ours failed: never offered again (vLLM would ask
+    # again after an asynchronous one, and a load that keeps failing would loop forever)
     looked_up: int = 0  # tokens after vLLM's own prefix hit that the last lookup asked for
     counted: bool = False  # its lookup is in the counters (once, however often vLLM asks)
     restored: int = 0  # tokens vLLM skipped computing because a load of ours landed

@@ -77,6 +77,9 @@ class KvtierMetadata(KVConnectorMetadata):
     # finished requests whose last stores are among `jobs`: done once this step has saved
     sending: tuple[str, ...] = ()
     idle: bool = False  # no tokens scheduled: the worker may wait for fetches below host
+    # loads among `jobs` vLLM waits on apart (job, request): not waited for in this step
+    async_loads: tuple[tuple[int, str], ...] = ()
+    received: tuple[str, ...] = ()  # requests vLLM waits on whose load was dropped
 
 
 @dataclass
@@ -140,7 +143,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                              residency=self.events is not None)
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            self.identity.seed, plan.world_size,
-                                           plan.windows, self.events or UNPUBLISHED)
+                                           plan.windows, self.events or UNPUBLISHED,
+                                           self.settings.async_loads)
         else:
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
                                           plan.block_size, Faults.from_env(rank))
@@ -163,7 +167,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, salt,
                                           num_computed_tokens, request.num_prompt_tokens,
                                           tenant=tenant)
-        return n, False
+        return n, bool(n) and self.scheduler.loads_async(request.request_id)
 
     @timed(begins_step=True)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -195,7 +199,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         sending = tuple(self.scheduler.take_sending())  # their stores are in this step's jobs
         jobs = tuple(self.scheduler.step(scheduled))
         return KvtierMetadata(jobs, tuple(sorted(self.scheduler.take_invalid())), sending,
-                              idle=scheduler_output.total_num_scheduled_tokens == 0)
+                              idle=scheduler_output.total_num_scheduled_tokens == 0,
+                              async_loads=tuple(self.scheduler.take_async()),
+                              received=tuple(self.scheduler.take_received()))
 
     @timed()
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -303,7 +309,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
         if isinstance(meta, KvtierMetadata):
-            self.worker_side.load(meta.jobs, meta.invalid, meta.idle)
+            self.worker_side.load(meta.jobs, meta.invalid, meta.idle, meta.async_loads,
+                                  meta.received)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -323,10 +330,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     @timed()
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose held blocks this worker has copied: vLLM may free them."""
+        """Finished requests whose held blocks this worker has copied (vLLM may free them),
+        and requests whose asynchronous loads landed (vLLM may schedule them)."""
         if self.worker_side is None:
             return None, None
-        return self.worker_side.take_sent() or None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KvtierMetadata) and meta.idle
+        return (self.worker_side.take_sent() or None,
+                self.worker_side.take_received(idle) or None)
 
     @timed()
     def get_block_ids_with_load_errors(self) -> set[int]:

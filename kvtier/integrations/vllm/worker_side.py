@@ -13,10 +13,15 @@ the tier's I/O thread, across steps; their results go back with whichever step s
                         queues its jobs below host on the I/O thread)
   take_results()        for the scheduler (worker metadata): this step's, and the I/O
                         thread's since the last call; failed loads' blocks apart
+  take_received(idle)   the requests whose asynchronous loads landed (vLLM's
+                        finished_recving; a failed one's blocks among the load errors)
+A load the scheduler marked asynchronous (`async_loading.py`) is not waited for: it runs on
+the link beside this step and the next, and its request is reported once it has landed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +44,9 @@ from kvtier.tier import (
 # cores, an engine spinning empty steps held the GIL beside the I/O thread while a woken
 # request's fetch ran; a request arriving meanwhile waits at most this long for its step.
 IDLE_FETCH_WAIT_S = 0.02
+# How long a step with no tokens to compute waits for an asynchronous load to land, for
+# the same reason: vLLM would otherwise spin empty steps until it has.
+IDLE_LOAD_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,8 @@ class WorkerSide:
         self._results: list[Result] = []
         self._load_errors: set[int] = set()
         self._sent: set[str] = set()
+        self._receiving: dict[int, tuple[str, tuple[int, ...]]] = {}  # async load -> request
+        self._received: set[str] = set()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         layout = self.expected.check(kv_caches)
@@ -143,7 +153,9 @@ class WorkerSide:
                               f"scheduler planned {self.expected.host_slots}; refusing to run")
         self.worker = worker
 
-    def load(self, jobs: Sequence[Job], invalid: Sequence[int] = (), idle: bool = False) -> None:
+    def load(self, jobs: Sequence[Job], invalid: Sequence[int] = (), idle: bool = False,
+             async_loads: Sequence[tuple[int, str]] = (), received: Sequence[str] = ()
+             ) -> None:
         """Host -> device jobs, complete before the forward pass reads the blocks; jobs
         below host start on the I/O thread (fetches ahead of writes). `invalid`: blocks the
         scheduler side did not load though vLLM counts them restored: load errors. `idle`:
@@ -151,7 +163,19 @@ class WorkerSide:
         below host: their results go back in this step instead of the engine spinning empty
         steps beside the I/O thread, and the waiting request is offered its prefix at once."""
         self._load_errors.update(invalid)
-        self._run([j for j in jobs if j.dst is Medium.DEVICE])
+        self._received.update(received)
+        apart = dict(async_loads)
+        loads = [j for j in jobs if j.dst is Medium.DEVICE]
+        self._run([j for j in loads if j.id not in apart])
+        for job in (j for j in loads if j.id in apart):
+            if self.worker is None:  # never registered: fails now, reported at once
+                self._load_errors.update(job.device_blocks)
+                self._received.add(apart[job.id])
+                self._results.append(Result.whole(job.id, job.num_blocks, False, 0, 0.0,
+                                                  "no KV caches registered"))
+                continue
+            self._receiving[job.id] = (apart[job.id], job.device_blocks)
+            self.worker.submit(job)
         below = [j for j in jobs if j.below_host]
         if self.worker is None:  # never registered: every job fails, nothing is served
             self._results += [Result(j.id, (False,) * len(j.keys),
@@ -193,11 +217,36 @@ class WorkerSide:
             if job.dst is Medium.DEVICE and not result.success:
                 self._load_errors.update(job.device_blocks)
 
+    def take_received(self, idle: bool = False) -> set[str]:
+        """Requests whose asynchronous loads landed since the last call (a failed one's
+        blocks are load errors by now). `idle`: no tokens were computed this step, so wait
+        a little for the oldest load rather than have vLLM spin."""
+        self._collect()
+        if idle and not self._received and self._receiving and self.worker is not None:
+            with contextlib.suppress(TimeoutError):
+                self._take(self.worker.wait(next(iter(self._receiving)), IDLE_LOAD_WAIT_S))
+        received, self._received = self._received, set()
+        return received
+
     def take_results(self) -> list[Result]:
+        self._collect()  # the I/O thread's, and the asynchronous loads' that landed
         results, self._results = self._results, []
-        if self.worker is not None:
-            results += self.worker.poll()  # the I/O thread's (the link's were all waited for)
         return results
+
+    def _collect(self) -> None:
+        """What the worker finished since the last look: every result for the scheduler;
+        an asynchronous load's request is received, its blocks load errors if it failed."""
+        if self.worker is not None:
+            for result in self.worker.poll():
+                self._take(result)
+
+    def _take(self, result: Result) -> None:
+        self._results.append(result)
+        request = self._receiving.pop(result.job_id, None)
+        if request is not None:
+            self._received.add(request[0])
+            if not result.success:
+                self._load_errors.update(request[1])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
