@@ -4,7 +4,11 @@ pushed out of vLLM's pool are sent again, at once, and woken: from host, from ho
 or recomputed (load_policy never). The same streams alone, and beside the same sessions
 served from vLLM's own cache (a pool that kept them: no wake at all), are the baselines.
 
-    python benchmarks/wake_tpot.py [--streams 2] [--sessions 4] [--repeats 3] [--out DIR]
+    python benchmarks/wake_tpot.py [--streams 2] [--sessions 4] [--repeats 3]
+                                   [--regime MODEL@HARDWARE[:TOKENS]] [--out DIR]
+`--regime` caps kvtier's restores (`max_load_gbps`, `regime.py`) so that a session restores as
+many times faster than it recomputes as on that GPU, and compares its wakes run inside the
+step that admits them (`async_loading=never`) with `auto` (beside the streams' steps).
 Needs bash scripts/vllm_env.sh. Prints TPOT p50/p99 of the streams per case, and writes JSON.
 """
 
@@ -25,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 from common import write_result  # noqa: E402
+from regime import Regime, regime  # noqa: E402
 from vllm_run import VLLM_PYTHON, VllmServer  # noqa: E402
 
 SESSION_TOKENS = 1024  # 8 blocks of 128
@@ -34,8 +39,15 @@ STREAM_PROMPT, STREAM_OUTPUT = 64, 96
 POOL, LIMIT_POOL, FILLERS = 40, 96, 6
 
 
-def cases(tmp: Path) -> dict[str, tuple[int, dict[str, Any] | None]]:
+def cases(tmp: Path, capped: Regime | None = None
+          ) -> dict[str, tuple[int, dict[str, Any] | None]]:
     """name -> (vLLM's pool in blocks, kvtier's connector config or None)."""
+    if capped is not None:  # the link is the bottleneck: where the wake runs is what counts
+        host = {"kv_offloading_size": 1.0, "max_load_gbps": capped.cap_gbps}
+        return {"device (no wake)": (LIMIT_POOL, None),
+                "host, in the step": (POOL, {**host, "async_loading": "never"}),
+                "host, auto": (POOL, host),
+                "recomputed": (POOL, {**host, "load_policy": "never"})}
     return {"device (no wake)": (LIMIT_POOL, None),
             "host": (POOL, {"kv_offloading_size": 1.0}),
             "host+disk": (POOL, {"kv_offloading_size": 0.17, "disk_kv_path": str(tmp / "kv"),
@@ -100,6 +112,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--regime", default=None,
+                    help="MODEL@HARDWARE[:TOKENS]: restores as that GPU's ratio (regime.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
@@ -108,9 +122,20 @@ def main() -> int:
     from kvtier.model.loader import load_model
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-wake-tpot-"))
-    model = export_hf(load_model(None), tmp / "smollm2-135m")
+    loaded = load_model(None)
+    model = export_hf(loaded, tmp / "smollm2-135m")
+    capped = None
+    if args.regime:
+        plain = VllmServer(model, None, POOL, tmp / "regime.log", max_model_len=2048,
+                           max_num_seqs=8).start()
+        try:
+            capped = regime(args.regime, SESSION_TOKENS, plain.url,
+                            loaded.spec.kv_bytes_per_token(4))  # the server runs float32
+        finally:
+            plain.close()
+        print(capped.line(), flush=True)
     rows: dict[str, Any] = {}
-    for name, (blocks, connector) in cases(tmp).items():
+    for name, (blocks, connector) in cases(tmp, capped).items():
         server = VllmServer(model, connector, blocks, tmp / f"{name}.log",
                             max_model_len=2048, max_num_seqs=8).start()
         try:
@@ -147,8 +172,11 @@ def main() -> int:
         r["answers_equal_device"] = r["answers"] == ref
         if r["answers"] != ref:
             print(f"{name}: the woken sessions' answers differ from vLLM's own cache's")
+    if capped is not None:
+        print(capped.line())
     path = write_result("wake_tpot", {"rows": rows, "streams": args.streams,
-                                      "sessions": args.sessions, "repeats": args.repeats},
+                                      "sessions": args.sessions, "repeats": args.repeats,
+                                      "regime": capped.to_json() if capped else None},
                         args.out)
     print(f"wrote {path}")
     return 0
