@@ -13,6 +13,8 @@ reason); every answer is checked against plain vLLM's for the same request (temp
 `--regime` caps kvtier's restores (`max_load_gbps`) so that this machine restores a prefix of
 TOKENS (default: the vllm-bench prefix) as many times faster than it recomputes it as that
 model does on that GPU (`kvtier plan`; `regime.py`), and prints that line with the results.
+Run under `shaped_link.py`, Redis (`kvtier-redis`, `redis-always`, `redis-never`) sits behind
+a loopback shaped to a NIC's rate.
 Needs bash scripts/vllm_env.sh and bash scripts/harness_env.sh. Presets: `cpu` (this
 2-core machine: SmolLM2-135M float32, a 24-block pool) and `stock`, the harnesses' own
 parameters for a GPU (PRESETS below); writes JSON, an HTML page with the curves, and PNGs.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -92,7 +95,10 @@ def configs(tmp: Path, redis_url: str | None, capped: Regime | None = None
         "never": ("pool", {**HOST, "load_policy": "never"}),
         "threshold:1024:8": ("pool", {**HOST, "load_policy": "threshold:1024:8"})}
     if redis_url is not None:
-        out["kvtier-redis"] = ("pool", {**SMALL_HOST, "remote_kv_url": redis_url})
+        redis = {**SMALL_HOST, "remote_kv_url": redis_url}
+        out["kvtier-redis"] = ("pool", redis)
+        out["redis-always"] = ("pool", {**redis, "load_policy": "always"})
+        out["redis-never"] = ("pool", {**redis, "load_policy": "never"})
     if capped is not None:
         out = {name: (pool, {**c, "max_load_gbps": capped.cap_gbps} if c else None)
                for name, (pool, c) in out.items()}
@@ -246,6 +252,8 @@ def main() -> int:
     summary = report(runs, checks)
     doc = {"preset": args.preset, "params": preset, "loads": loads, "repeats": args.repeats,
            "summary": summary, "regime": capped.to_json() if capped else None,
+           # behind benchmarks/shaped_link.py: the loopback's tc rate, as measured
+           "shaped_link": os.environ.get("KVTIER_SHAPED_LINK"),
            "redis": redis.reason or "loopback redis-server"}
     path = write_result("at_load", doc, args.out)
     pages = write_pages(summary, path.with_suffix(""), " ".join(sys.argv[1:]))
