@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 from at_load_report import report, write_pages  # noqa: E402
 from common import write_result  # noqa: E402
 from local_redis import LocalRedis  # noqa: E402
-from regime import Regime, regime  # noqa: E402
+from regime import Regime, on_plain_vllm  # noqa: E402
 from vllm_run import VLLM_PYTHON, VllmServer  # noqa: E402
 
 from kvtier.bench.harnesses import (  # noqa: E402
@@ -204,15 +204,11 @@ def main() -> int:
     model = export_hf(loaded, tmp / "smollm2-135m")
     capped = None
     if args.regime:  # measured on plain vLLM with the pool every configuration gets
-        plain = VllmServer(model, None, preset["blocks"], tmp / "regime.log",
-                           max_model_len=preset["max_model_len"],
-                           max_num_seqs=preset["max_num_seqs"]).start()
-        try:
-            capped = regime(args.regime, preset["vllm-bench"]["prefix_len"], plain.url,
-                            loaded.spec.kv_bytes_per_token(4))  # the server runs float32
-        finally:
-            plain.close()
-        print(capped.line(), flush=True)
+        capped = on_plain_vllm(args.regime, preset["vllm-bench"]["prefix_len"], model,
+                               loaded.spec.kv_bytes_per_token(4),  # the server runs float32
+                               tmp / "regime.log", blocks=preset["blocks"],
+                               max_model_len=preset["max_model_len"],
+                               max_num_seqs=preset["max_num_seqs"])
     redis = LocalRedis()
     table = configs(tmp, redis.url, capped)
     names = args.configs.split(",") if args.configs else list(table)

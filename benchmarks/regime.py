@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -99,3 +100,19 @@ def regime(spec: str, default_tokens: int, url: str, kv_bytes_per_token: int) ->
     cap = kv_bytes_per_token * tokens * ratio / here / 1e9
     return Regime(model, hardware, tokens, restore_s, recompute_s, ratio, here,
                   kv_bytes_per_token, cap)
+
+
+def on_plain_vllm(spec: str, default_tokens: int, model: Path, kv_bytes_per_token: int,
+                  log: Path, **server: Any) -> Regime:
+    """The regime `spec` names, measured on a plain `vllm serve` of `model` started for it
+    (`server`: VllmServer's pool and limits, those the benchmark's own servers get), and
+    printed."""
+    from vllm_run import VllmServer  # tests/integrations, on the benchmarks' path
+
+    plain = VllmServer(model, None, log_path=log, **server).start()
+    try:
+        found = regime(spec, default_tokens, plain.url, kv_bytes_per_token)
+    finally:
+        plain.close()
+    print(found.line(), flush=True)
+    return found

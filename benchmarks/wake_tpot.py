@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 from common import write_result  # noqa: E402
-from regime import Regime, regime  # noqa: E402
+from regime import Regime, on_plain_vllm  # noqa: E402
 from vllm_run import VLLM_PYTHON, VllmServer  # noqa: E402
 
 SESSION_TOKENS = 1024  # 8 blocks of 128
@@ -126,14 +126,10 @@ def main() -> int:
     model = export_hf(loaded, tmp / "smollm2-135m")
     capped = None
     if args.regime:
-        plain = VllmServer(model, None, POOL, tmp / "regime.log", max_model_len=2048,
-                           max_num_seqs=8).start()
-        try:
-            capped = regime(args.regime, SESSION_TOKENS, plain.url,
-                            loaded.spec.kv_bytes_per_token(4))  # the server runs float32
-        finally:
-            plain.close()
-        print(capped.line(), flush=True)
+        capped = on_plain_vllm(args.regime, SESSION_TOKENS, model,
+                               loaded.spec.kv_bytes_per_token(4),  # the server runs float32
+                               tmp / "regime.log", blocks=POOL, max_model_len=2048,
+                               max_num_seqs=8)
     rows: dict[str, Any] = {}
     for name, (blocks, connector) in cases(tmp, capped).items():
         server = VllmServer(model, connector, blocks, tmp / f"{name}.log",
