@@ -114,6 +114,28 @@ def test_tp2_load_failing_on_one_rank_is_a_miss_on_both(vllm_python: Path, llama
     assert run["metrics"]["vllm:kvtier_restored_tokens"] == 0
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["lands", "fails-on-rank-1"])
+def test_tp2_async_loads_are_reported_by_both_ranks(
+        vllm_python: Path, llama: Path, first: dict[str, Any], fail: bool) -> None:
+    # async_loading=always: each rank reports the request once its own load ended; vLLM
+    # schedules it when both have. Where rank 1's failed (its blocks load errors), vLLM
+    # recomputes and kvtier never offers that request a load again.
+    run = serve(vllm_python, llama, {"kv_offloading_size": TOTAL["kv_offloading_size"],
+                                     "async_loading": "always"},
+                ["a", "b", "c", "d", "a"], policy="recompute",
+                env={"KVTIER_FAULT_LOADS": "1", "KVTIER_FAULT_RANK": "1"} if fail else None)
+    again, ref = run["results"][-1], first["reference"]
+    assert again["tokens"] == ref["tokens"]
+    m = run["metrics"]
+    if fail:
+        assert again["kv_transfer_params"]["kvtier_restored_tokens"] == 0
+        assert m["vllm:kvtier_failed_loads"] == 1 and m["vllm:kvtier_restored_tokens"] == 0
+    else:
+        assert again["kv_transfer_params"]["kvtier_restored_tokens"] == FULL
+        assert again["logprobs"] == ref["logprobs"] and again["cached"] == FULL
+        assert m["vllm:kvtier_failed_loads"] == 0
+
+
 def test_tp2_writes_to_a_loopback_redis_are_all_accounted_for(
         vllm_python: Path, llama: Path, redis_server: Any) -> None:
     # Two ranks spinning OpenMP on two cores beside a loopback Redis: every block stored on
