@@ -201,3 +201,12 @@ def test_a_request_whose_load_failed_is_not_offered_again() -> None:
     s.apply([Result.whole(job, 3, False, 0, 1e-4, "failed")])
     assert s.matched_tokens("b", prompt, "", 0) == 0
     assert s.finished("b")["kvtier_restored_tokens"] == 0
+
+
+def test_an_unregistered_worker_fails_an_async_load_and_reports_it_at_once() -> None:
+    config = TierConfig(kv_offloading_size=8 * BLOCK_BYTES / GIB)
+    expected = ExpectedLayout(NAMES, BLOCKS, (HEADS, BS, 2 * DIM), torch.float32, 8)
+    ws = WorkerSide(config, expected, b"n" * 16, BS)  # vLLM never registered its caches
+    ws.load([load(3, (0, 1), (4, 5))], async_loads=[(3, "r")])
+    assert ws.take_received() == {"r"} and ws.take_load_errors() == {4, 5}
+    assert [r.success for r in ws.take_results()] == [False]

@@ -161,19 +161,19 @@ class WorkerSide:
         scheduler side did not load though vLLM counts them restored: load errors. `idle`:
         this step computes nothing, so it waits (up to IDLE_FETCH_WAIT_S) for fetches
         below host: their results go back in this step instead of the engine spinning empty
-        steps beside the I/O thread, and the waiting request is offered its prefix at once."""
+        steps beside the I/O thread, and the waiting request is offered its prefix at once.
+        `async_loads`: (job, request) of the loads not waited for (`take_received` tells when
+        each has landed); `received`: requests vLLM waits on with nothing to load."""
         self._load_errors.update(invalid)
         self._received.update(received)
         apart = dict(async_loads)
         loads = [j for j in jobs if j.dst is Medium.DEVICE]
+        if self.worker is None:  # never registered: every load fails now, each told at once
+            self._received.update(apart[j.id] for j in loads if j.id in apart)
+            apart = {}
         self._run([j for j in loads if j.id not in apart])
         for job in (j for j in loads if j.id in apart):
-            if self.worker is None:  # never registered: fails now, reported at once
-                self._load_errors.update(job.device_blocks)
-                self._received.add(apart[job.id])
-                self._results.append(Result.whole(job.id, job.num_blocks, False, 0, 0.0,
-                                                  "no KV caches registered"))
-                continue
+            assert self.worker is not None
             self._receiving[job.id] = (apart[job.id], job.device_blocks)
             self.worker.submit(job)
         below = [j for j in jobs if j.below_host]
