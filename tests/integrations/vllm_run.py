@@ -94,6 +94,22 @@ def parse(stdout: str) -> dict[str, Any]:
     return json.loads(lines[-1][len(MARK):])
 
 
+def check_wake(run: dict[str, Any], reference: dict[str, Any], full: int, failed: bool
+               ) -> None:
+    """The last request of `run` against `reference` (the same prompt served from vLLM's own
+    cache): restored whole from kvtier, token and logprob for logprob; or, where its load
+    `failed`, recomputed (token for token: a full recompute rounds otherwise), one failed
+    load counted and nothing restored."""
+    again, m = run["results"][-1], run["metrics"]
+    assert again["tokens"] == reference["tokens"]
+    restored = 0 if failed else full
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == restored
+    assert m["vllm:kvtier_restored_tokens"] == restored
+    assert m["vllm:kvtier_failed_loads"] == int(failed)
+    if not failed:
+        assert again["logprobs"] == reference["logprobs"] and again["cached"] == full
+
+
 class VllmServer:
     """vLLM's OpenAI server (what `vllm serve` runs) on a free loopback port, float32, eager,
     an exact pool of `blocks` 128-token blocks; with kvtier's connector when `connector` is
