@@ -34,9 +34,10 @@ from kvtier.model.loader import load_model
 from kvtier.plan.analysis import ACTIVATION_FRACTION, HOST_USABLE_FRACTION
 from kvtier.plan.hardware import GIB, Hardware, resolve_hardware
 from kvtier.plan.models import ModelShape, shape_from_spec
-from kvtier.plan.simulate import SimResult, simulate
+from kvtier.plan.simulate import SimConfig, SimResult, simulate
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
 from kvtier.stats import percentile
+from kvtier.tier import LoadPolicy
 
 PARTS = (*SPLIT_PARTS, "ttft")
 KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -181,9 +182,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     measured = resolve_hardware("this-machine")
     machine, pool = sim_machine(measured, config, model, kv_dtype)
     tier_on = config.offload.kv_offloading_size > 0
-    sim = simulate(trace.requests, model, machine, kv_dtype=kv_dtype,
-                   device_sessions=args.device_sessions, mode=config.offload.preemption_mode,
-                   idle_offload_s=config.offload.idle_offload_s if tier_on else 0.0)
+    offload, policy = config.offload, config.policy
+    sim = simulate(trace.requests, model, machine, kv_dtype, SimConfig(
+        device_sessions=args.device_sessions, preemption_mode=policy.preemption_mode.value,
+        idle_offload_s=policy.idle_offload_s if tier_on else 0.0,
+        load_policy=LoadPolicy.parse(offload.load_policy),
+        max_load_gbps=offload.max_load_gbps if tier_on else None,
+        max_num_seqs=config.scheduler.max_num_seqs))
     sizing = (f"{args.device_sessions} sessions (device_sessions)" if args.device_sessions
               else f"{pool['device_tokens']:,} tokens = {pool['device_kv_bytes'] / 1e6:.1f} MB "
                    f"{kv_dtype} KV (hbm_gib override, device_sessions unused)")

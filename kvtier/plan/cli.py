@@ -24,6 +24,7 @@ from kvtier.plan.analysis import (
 )
 from kvtier.plan.hardware import GIB, hardware_names, resolve_hardware
 from kvtier.plan.models import KV_DTYPE_BYTES, MODELS, ModelShape, kv_dtype_bytes, resolve_model
+from kvtier.tier import LoadPolicy
 
 if TYPE_CHECKING:
     from kvtier.plan.simulate import SimResult
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 DEFAULT_CONTEXTS = "1024,8192,32768,131072"
 # trace flag -> its default: set without --trace, it would do nothing
 _TRACE_DEFAULTS = {"--format": "auto", "--scale-length": 1.0, "--time-scale": 1.0,
-                   "--limit": None, "--device-sessions": None, "--idle-offload-s": 0.0}
+                   "--limit": None, "--device-sessions": None, "--idle-offload-s": 0.0,
+                   "--load-policy": "auto", "--max-load-gbps": None, "--max-num-seqs": None,
+                   "--clients": None}
 # flag dest -> Hardware field it overrides
 _OVERRIDES = {"hbm_gib": "hbm_gib", "host_gib": "host_gib", "link_gbps": "link_gbps",
               "prefill_tps": "prefill_tps", "flops": "flops", "mfu": "mfu",
@@ -88,6 +91,16 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--idle-offload-s", type=float, default=0.0,
                      help="demote sessions idle this long to host, as the engine knob "
                           "(default 0: only under pressure)")
+    sim.add_argument("--load-policy", default="auto",
+                     help="restore or recompute a session found on host, as the engine's "
+                          "knob: auto | always | never | threshold:TOKENS:INFLIGHT")
+    sim.add_argument("--max-load-gbps", type=float, default=None,
+                     help="cap host->device restores at this GB/s, as the engine's knob")
+    sim.add_argument("--max-num-seqs", type=int, default=None,
+                     help="turns running at once, as vLLM's knob (default: the pool bounds it)")
+    sim.add_argument("--clients", type=int, default=None,
+                     help="closed loop: at most N turns sent and unfinished, as a benchmark's "
+                          "max concurrency (default: open loop, the trace's arrivals)")
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -118,11 +131,16 @@ def run_plan(args: argparse.Namespace) -> int:
                      host_pool_gib=opt("kv_offloading_size"))
     sim = None
     if opt("trace"):
-        from kvtier.plan.simulate import simulate
+        from kvtier.plan.simulate import SimConfig, simulate
 
+        config = SimConfig(device_sessions=opt("device_sessions"),
+                           idle_offload_s=opt("idle_offload_s", 0.0),
+                           load_policy=LoadPolicy.parse(opt("load_policy", "auto")),
+                           max_load_gbps=opt("max_load_gbps"),
+                           max_num_seqs=opt("max_num_seqs"), clients=opt("clients"))
+        config.check()  # a bad knob is said before the trace is read
         requests = _load_trace(args, model)
-        sim = simulate(requests, model, hardware, kv_dtype, opt("device_sessions"),
-                       idle_offload_s=opt("idle_offload_s", 0.0))
+        sim = simulate(requests, model, hardware, kv_dtype, config)
     if opt("json"):
         report = result.to_json()
         if sim is not None:
@@ -240,7 +258,11 @@ def _print_sim(sim: SimResult, path: str, plan: PlanResult) -> None:
     console.print(f"  compute: busy {_seconds(sim.compute_busy_s)}, "
                   f"{sim.compute_utilisation:.0%} of the makespan")
     console.print(f"  link: {sim.restores} restores, {sim.stores} stores"
-                  f" ({sim.idle_demotions} idle demotions), busy {_seconds(sim.link_busy_s)}")
+                  f" ({sim.idle_demotions} idle demotions), restores busy "
+                  f"{_seconds(sim.link_busy_s)}")
+    if sim.declined:
+        console.print("  restores declined (recomputed): " + ", ".join(
+            f"{reason} {n}" for reason, n in sorted(sim.declined.items())))
 
 
 def _split_table(sim: SimResult) -> Any:

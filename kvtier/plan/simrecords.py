@@ -8,7 +8,7 @@ nearest-rank percentiles `kvtier bench` reports, so plan and bench compare like 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
@@ -63,11 +63,13 @@ class SimResult:
     compute_busy_s: float  # the compute server's (GPU) or engine steps' (shared) busy time
     compute_utilisation: float  # compute_busy_s / makespan_s (0 for an empty trace)
     idle_demotions: int = 0  # sessions moved to host by idle_offload_s
+    declined: dict[str, int] = field(default_factory=dict)  # restores declined, by reason
 
     def to_json(self) -> dict[str, Any]:
         return {"ttft_s": self.ttft, "split_s": self.split, "link_busy_s": self.link_busy_s,
                 "stores": self.stores, "restores": self.restores,
-                "idle_demotions": self.idle_demotions, "makespan_s": self.makespan_s,
+                "idle_demotions": self.idle_demotions, "declined": self.declined,
+                "makespan_s": self.makespan_s,
                 "compute_busy_s": self.compute_busy_s,
                 "compute_utilisation": self.compute_utilisation,
                 "requests": [asdict(r) for r in self.records]}
@@ -100,7 +102,8 @@ def split_table(records: Sequence[SimRecord]) -> Split:
 
 
 def summarize(records: Sequence[SimRecord], link_busy_s: float, stores: int, restores: int,
-              compute_busy_s: float, idle_demotions: int) -> SimResult:
+              compute_busy_s: float, idle_demotions: int,
+              declined: dict[str, int] | None = None) -> SimResult:
     """The result of one run: tables from the records, utilisation over the makespan."""
     makespan = max((r.finish_s for r in records), default=0.0)
     return SimResult(
@@ -108,5 +111,5 @@ def summarize(records: Sequence[SimRecord], link_busy_s: float, stores: int, res
         link_busy_s=link_busy_s, stores=stores, restores=restores, makespan_s=makespan,
         compute_busy_s=compute_busy_s,
         compute_utilisation=compute_busy_s / makespan if makespan > 0 else 0.0,
-        idle_demotions=idle_demotions,
+        idle_demotions=idle_demotions, declined=dict(declined or {}),
     )

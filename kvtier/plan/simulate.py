@@ -1,23 +1,29 @@
 """A discrete-event simulation of a multi-turn trace on one serving replica, split by residency.
 
-Primitives: `simulate(requests, model, hardware, kv_dtype) -> SimResult`. Pinned between
-events: a device KV pool and a host tier (both LRU over whole sessions), one link (a FIFO
-shared by restores and by the stores of evicted sessions) and one compute server (a FIFO
-of prefills). Per turn of a session, at its arrival:
+Primitives: `simulate(requests, model, hardware, kv_dtype, SimConfig) -> SimResult`. Pinned
+between events: a device KV pool and a host tier (both LRU over whole sessions), the link
+(full duplex, as PCIe is: restores queue FIFO host -> device, at most `max_load_gbps`; stores
+of evicted sessions queue FIFO device -> host) and one compute server (a FIFO of prefills).
+Per turn of a session, at its arrival:
 
     resident    its KV is on the device: prefill the new tokens only
-    host        its KV is in the host tier and the planner picks restore: wait for the link,
-                copy it back, then prefill the new tokens
-    recomputed  its KV was evicted everywhere (or the planner picked recompute): prefill the
-                whole context again
+    host        its KV is in the host tier and `load_policy` picks restore: wait for the
+                link, copy it back, then prefill the new tokens
+    recomputed  its KV was evicted everywhere (or `load_policy` declined the restore, the
+                reason counted): prefill the whole context again
     new         the session's first turn: prefill its prompt
 
-Making room evicts the least recently used idle sessions to the host tier (a store on the
-link, queued before the restore that needed the room). A turn is admitted, first come first
-served, only when the running sessions leave room for it (idle ones can always be evicted),
-as the engine waits for device blocks; a turn too large for any room runs alone rather than
-deadlock. With `idle_offload_s` a session idle that long moves to the host tier (a store)
-even without pressure, as the engine's knob does. Prefill takes the planner's `prefill_s`
+The restore-or-recompute verdict is the engine's own code (`LoadPolicy.decide`), given what
+queues ahead of the turn as the engine sees it: loads not landed, their bytes still on the
+link, and prefill tokens admitted and not yet computed. Making room evicts the least
+recently used idle sessions to the host tier; a restore into that room starts once their
+stores are out. A turn is admitted, first come first served, only when the running sessions
+leave room for it (idle ones can always be evicted) and fewer than `max_num_seqs` run, as
+the engine waits for device blocks; a turn too large for any room runs alone rather than
+deadlock. With `clients` the load is a closed loop (a benchmark's max concurrency): at most
+that many turns are sent and unfinished, the next waits for one to end and its TTFT counts
+from when it is sent. With `idle_offload_s` a session idle that long moves to the host tier
+(a store) even without pressure, as the engine's knob does. Prefill takes the planner's `prefill_s`
 (linear + causal attention over the cached prefix), at least one memory-bound forward
 (weights / HBM bandwidth). Decode is memory bound: each output token costs (weights + the
 session's KV bytes) / HBM bandwidth, and runs beside prefills (continuous batching), so it
@@ -41,7 +47,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
 from kvtier.plan.analysis import (
@@ -54,9 +60,44 @@ from kvtier.plan.hardware import GIB, Hardware
 from kvtier.plan.models import ModelShape
 from kvtier.plan.session_lru import SessionLru
 from kvtier.plan.simrecords import SimRecord, SimResult, TurnRequest, summarize
-from kvtier.tier import Residency
+from kvtier.tier import Ahead, LoadPolicy, Residency
 
-__all__ = ["SimRecord", "SimResult", "TurnRequest", "simulate"]
+__all__ = ["SimConfig", "SimRecord", "SimResult", "TurnRequest", "simulate"]
+
+MODES = ("auto", "swap", "recompute")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The serving knobs a simulation runs under, named as the engine's and vLLM's."""
+
+    device_sessions: int | None = None  # the device pool holds N sessions (None: HBM bytes)
+    preemption_mode: str = "auto"  # swap | recompute force every wake's side; auto: policy
+    idle_offload_s: float = 0.0  # demote sessions idle this long (0: only under pressure)
+    load_policy: LoadPolicy = field(default_factory=LoadPolicy)  # restore or recompute a
+    # session found on host: the engine's own rule
+    max_load_gbps: float | None = None  # cap on host -> device restores, GB/s (None: link)
+    max_num_seqs: int | None = None  # turns running at once (None: only the pool bounds it)
+    clients: int | None = None  # closed loop: turns sent and unfinished (None: open loop)
+
+    def check(self) -> None:
+        """ConfigError naming the knob and the value."""
+        if self.preemption_mode not in MODES:
+            raise ConfigError(f"preemption_mode={self.preemption_mode!r}; choose "
+                              "auto, swap or recompute")
+        if not isinstance(self.load_policy, LoadPolicy):
+            raise ConfigError(f"load_policy={self.load_policy!r}: parse it first "
+                              "(LoadPolicy.parse)")
+        for name in ("device_sessions", "max_num_seqs", "clients"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"{name}={value!r} must be a whole number >= 1 (or unset)")
+        if not (isinstance(self.idle_offload_s, (int, float)) and self.idle_offload_s >= 0):
+            raise ConfigError(f"idle_offload_s={self.idle_offload_s!r} must be >= 0 (0 = off)")
+        cap = self.max_load_gbps
+        if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < float("inf")):
+            raise ConfigError(f"max_load_gbps={cap!r} must be a number of GB/s > 0 (or unset)")
 
 
 @dataclass
@@ -89,22 +130,33 @@ class _Sim:
     """The event loop's state; one instance per `simulate` call."""
 
     def __init__(self, model: ModelShape, hardware: Hardware, kv_dtype: str,
-                 device_sessions: int | None, mode: str, idle_offload_s: float) -> None:
+                 config: SimConfig) -> None:
         tp = pick_tensor_parallel(model, hardware)
         self.planner = planner_for(model, hardware, tp)
+        calibration = self.planner.calibration
+        self.store_bps = calibration.link_gbps * 1e9  # device -> host, never capped
+        if config.max_load_gbps is not None:  # the engine plans its restores at the cap
+            calibration.link_gbps = min(calibration.link_gbps, config.max_load_gbps)
+        self.load_bps = calibration.link_gbps * 1e9
         self.per_token = model.kv_bytes_per_token(kv_dtype)
-        self.link_bps = self.planner.calibration.link_gbps * 1e9
+        self.config = config
         self.wake_overhead_s = hardware.transfer_overhead_s
         self.hbm_bps = tp * hardware.hbm_gbps * 1e9
         self.weights = model.weights_bytes
         replicas = hardware.gpus // tp
-        self.device = SessionLru(usable_hbm_bytes(hardware, tp) - self.weights, device_sessions)
+        self.device = SessionLru(usable_hbm_bytes(hardware, tp) - self.weights,
+                                 config.device_sessions)
         self.host = SessionLru(hardware.host_gib * GIB * HOST_USABLE_FRACTION / replicas)
-        self.mode = mode
-        self.idle_offload_s = idle_offload_s
+        self.idle_offload_s = config.idle_offload_s
         self.events: list[tuple[float, int, str, Hashable, float]] = []
         self.seq = 0
-        self.link_free = self.server_free = self.link_busy = self.compute_busy = 0.0
+        self.up_free = self.down_free = self.server_free = 0.0  # FIFOs: free from then on
+        self.link_busy = self.compute_busy = 0.0
+        self.landing: list[float] = []  # when each restore decided lands (a heap)
+        self.uncomputed: dict[Hashable, int] = {}  # admitted turns' prefill tokens, not run
+        self.declined: dict[str, int] = {}  # turns whose restore was declined, by reason
+        self.sent = 0  # turns sent and unfinished (bounded by `clients`)
+        self.held_back: deque[Hashable] = deque()  # turns due, waiting for a client
         self.stores = self.restores = self.idle_demotions = 0
         self.busy: set[Hashable] = set()
         self.waiting: deque[tuple[Hashable, float]] = deque()  # turns sent, not yet admitted
@@ -118,7 +170,8 @@ class _Sim:
         self.row_s = hardware.decode_row_s or 1 / self.planner.calibration.prefill_tokens_per_s
         self.prefill_queue: list[Hashable] = []
         self.in_step: list[Hashable] = []  # the prefills of the step now running
-        self.deferred: list[tuple[Hashable, int, float]] = []  # restores awaiting a boundary
+        # restores awaiting a step boundary: session, bytes, work, when their room is out
+        self.deferred: list[tuple[Hashable, int, float, float]] = []
         self.decoding: dict[Hashable, int] = {}  # session -> output tokens still to come
         self.first_token: dict[Hashable, float] = {}
         self.stepping = False
@@ -127,12 +180,37 @@ class _Sim:
         heapq.heappush(self.events, (t, self.seq, kind, sid, value))
         self.seq += 1
 
-    def link(self, t: float, nbytes: int) -> tuple[float, float]:
-        """Queue a copy on the FIFO link: (start, end)."""
-        start = max(t, self.link_free)
-        self.link_free = start + nbytes / self.link_bps
-        self.link_busy += nbytes / self.link_bps
-        return start, self.link_free
+    def store(self, t: float, nbytes: int) -> float:
+        """Queue a store on the device -> host FIFO: when it is out."""
+        self.down_free = max(t, self.down_free) + nbytes / self.store_bps
+        return self.down_free
+
+    def load(self, t: float, nbytes: int) -> tuple[float, float]:
+        """Queue a restore on the host -> device FIFO, at most `max_load_gbps`: (start, end)."""
+        start = max(t, self.up_free)
+        self.up_free = start + nbytes / self.load_bps
+        self.link_busy += nbytes / self.load_bps
+        return start, self.up_free
+
+    def ahead(self, t: float) -> Ahead:
+        """What a restore decided at `t` queues behind, as the engine counts it."""
+        while self.landing and self.landing[0] <= t:
+            heapq.heappop(self.landing)
+        return Ahead(loads=len(self.landing),
+                     link_bytes=int(max(0.0, self.up_free - t) * self.load_bps),
+                     compute_tokens=sum(self.uncomputed.values()))
+
+    def restores_now(self, t: float, context: int, nbytes: int) -> bool:
+        """The engine's verdict on a session found on host: restore (True) or recompute,
+        a declined restore counted by its reason."""
+        mode = self.config.preemption_mode
+        if mode != "auto":
+            return mode == "swap"
+        _, reason = self.config.load_policy.decide(self.planner, context, nbytes,
+                                                   self.ahead(t))
+        if reason is not None:
+            self.declined[reason.value] = self.declined.get(reason.value, 0) + 1
+        return reason is None
 
     def compute_s(self, tokens: int, cached: int) -> float:
         return max(self.planner.prefill_s(tokens, cached), self.weights / self.hbm_bps)
@@ -149,16 +227,20 @@ class _Sim:
             self.host.pop(dropped)
             self.sessions[dropped].where = None
         if self.host.fits(size):
-            self.link(t, size)
+            self.store(t, size)
             self.stores += 1
             self.host.put(sid, size)
             self.sessions[sid].where = "host"
         else:
             self.sessions[sid].where = None
 
-    def make_room(self, t: float, nbytes: int) -> None:
+    def make_room(self, t: float, nbytes: int) -> float:
+        """Evict idle sessions until `nbytes` fit: when the stores that freed it are out."""
+        out = t
         for victim in self.device.victims(nbytes, self.busy):
             self.to_host(t, victim, self.device.pop(victim))
+            out = max(out, self.down_free)
+        return out
 
     def idle(self, t: float, sid: Hashable, since: float) -> None:
         """`idle_offload_s` after a turn ended: demote the session if it is still idle there
@@ -174,7 +256,12 @@ class _Sim:
         self.idle_demotions += 1
 
     def arrive(self, t: float, sid: Hashable) -> None:
-        """A turn is sent: it waits, first come first served, until the device has room."""
+        """A turn is due: sent if a client is free (else it waits for one), then it waits,
+        first come first served, until the device has room."""
+        if self.config.clients is not None and self.sent >= self.config.clients:
+            self.held_back.append(sid)
+            return
+        self.sent += 1
         self.sessions[sid].next_turn += 1
         self.waiting.append((sid, t))
         self.admit_waiting(t)
@@ -186,6 +273,9 @@ class _Sim:
             sid, arrival = self.waiting[0]
             need = self.tokens_after_turn(sid) * self.per_token
             if self.busy and not self.device.room_beside(need, self.busy):
+                return
+            cap = self.config.max_num_seqs
+            if cap is not None and len(self.busy) >= cap:
                 return
             self.waiting.popleft()
             self.admit(t, sid, arrival)
@@ -205,7 +295,7 @@ class _Sim:
         if s.where == "device":
             residency, tokens, cached = Residency.RESIDENT, new, ctx
             self.device.pop(sid)
-        elif s.where == "host" and self.planner.decide(ctx, held, self.mode).choice == "restore":
+        elif s.where == "host" and self.restores_now(t, ctx, held):
             self.host.pop(sid)
             residency, tokens, cached = Residency.HOST, new, ctx
         else:
@@ -215,9 +305,10 @@ class _Sim:
         work = self.compute_s(tokens, cached)
         after = self.tokens_after_turn(sid)
         total = after * self.per_token
-        self.make_room(t, total)
+        room_at = self.make_room(t, total)
         self.device.put(sid, total)
         s.where = "device"
+        self.uncomputed[sid] = tokens
         share = self.planner.prefill_s(ctx, 0) if residency is Residency.RECOMPUTED else 0.0
         self.pending[sid] = _Admitted(req, arrival, residency, ctx, after,
                                       self.step_prefill_s(tokens, cached), share, t)
@@ -226,12 +317,15 @@ class _Sim:
         elif self.shared and self.stepping:
             # The engine admits between steps: the restore starts when the running step
             # ends, and the woken turn computes in the step after its load lands.
-            self.deferred.append((sid, held, work))
+            self.deferred.append((sid, held, work, room_at))
         else:
-            self.restore(t, sid, held, work)
+            self.restore(t, sid, held, work, room_at)
 
-    def restore(self, t: float, sid: Hashable, held: int, work: float) -> None:
-        start, end = self.link(t, held)
+    def restore(self, t: float, sid: Hashable, held: int, work: float, room_at: float
+                ) -> None:
+        """Load `held` bytes once the room made for them is out and the link is free."""
+        start, end = self.load(max(t, room_at), held)
+        heapq.heappush(self.landing, end)
         self.restores += 1
         p = self.pending[sid]
         p.admitted_s, p.link_wait_s = t, start - t
@@ -247,6 +341,7 @@ class _Sim:
         p.start_s = max(t, self.server_free)
         self.server_free = first = p.start_s + work
         self.compute_busy += work
+        self.push(first, "computed", sid)
         step = (self.weights + p.total_tokens * self.per_token) / self.hbm_bps
         finish = first + p.req.output_tokens * step
         self.records.append(self.record(sid, first, finish))
@@ -278,8 +373,8 @@ class _Sim:
 
     def step_end(self, t: float) -> None:
         self.stepping = False
-        for sid, held, work in self.deferred:
-            self.restore(t, sid, held, work)
+        for sid, held, work, room_at in self.deferred:
+            self.restore(t, sid, held, work, room_at)
         self.deferred = []
         done: list[Hashable] = []
         for sid in list(self.decoding):
@@ -289,6 +384,7 @@ class _Sim:
                 done.append(sid)
         for sid in self.in_step:
             self.first_token[sid] = t
+            self.uncomputed.pop(sid, None)
             if self.pending[sid].req.output_tokens > 1:
                 self.decoding[sid] = self.pending[sid].req.output_tokens - 1
             else:
@@ -304,6 +400,9 @@ class _Sim:
         s.context = p.total_tokens
         s.last_finish = t
         self.busy.discard(sid)
+        self.sent -= 1
+        if self.held_back:  # a client is free: it sends the turn that waited longest
+            self.arrive(t, self.held_back.popleft())
         self.admit_waiting(t)
         if self.idle_offload_s > 0:
             self.push(t + self.idle_offload_s, "idle", sid, t)
@@ -322,30 +421,18 @@ class _Sim:
                 self.step_end(t)
             elif kind == "idle":
                 self.idle(t, sid, value)
+            elif kind == "computed":
+                self.uncomputed.pop(sid, None)
             else:
                 self.finish(t, sid)
 
 
-def _check(mode: str, device_sessions: int | None, idle_offload_s: float) -> None:
-    if mode not in ("auto", "swap", "recompute"):
-        raise ConfigError(f"mode={mode!r}; choose auto, swap or recompute")
-    if device_sessions is not None and device_sessions < 1:
-        raise ConfigError(f"device_sessions={device_sessions} must be >= 1 (or None for HBM)")
-    if not idle_offload_s >= 0:
-        raise ConfigError(f"idle_offload_s={idle_offload_s} must be >= 0 (0 = off)")
-
-
 def simulate(requests: Sequence[TurnRequest], model: ModelShape, hardware: Hardware,
-             kv_dtype: str = "fp16", device_sessions: int | None = None, mode: str = "auto",
-             idle_offload_s: float = 0.0) -> SimResult:
-    """Replay `requests` (every turn of every session) and report TTFT per residency class.
-
-    `device_sessions` bounds the device pool by a count of sessions instead of HBM bytes;
-    `mode` is the engine's preemption_mode (auto | swap | recompute) handed to the planner;
-    `idle_offload_s` is the engine's knob of that name (0: sessions leave only under pressure).
-    """
-    _check(mode, device_sessions, idle_offload_s)
-    sim = _Sim(model, hardware, kv_dtype, device_sessions, mode, idle_offload_s)
+             kv_dtype: str = "fp16", config: SimConfig = SimConfig()) -> SimResult:
+    """Replay `requests` (every turn of every session) under `config` and report TTFT per
+    residency class; ConfigError on a bad knob."""
+    config.check()
+    sim = _Sim(model, hardware, kv_dtype, config)
     for req in requests:
         sim.sessions.setdefault(req.session_id, _Session([])).turns.append(req)
     for sid, s in sim.sessions.items():
@@ -353,4 +440,4 @@ def simulate(requests: Sequence[TurnRequest], model: ModelShape, hardware: Hardw
         sim.push(max(0.0, s.turns[0].arrival_s), "arrive", sid)
     sim.run()
     return summarize(sim.records, sim.link_busy, sim.stores, sim.restores, sim.compute_busy,
-                     sim.idle_demotions)
+                     sim.idle_demotions, sim.declined)

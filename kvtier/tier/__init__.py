@@ -16,6 +16,8 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
   Fingerprint    the namespace every block key is chained from (change a field: no old hit)
   Faults         the one fault seam, given to build() (tests)
   Decline        why tokens found in the tier were recomputed (Match.declined_by)
+  LoadPolicy     load_policy parsed: the planner (auto) or a fixed rule, deciding a prefix
+                 found with what is queued `Ahead` of it (also run by `kvtier plan`)
   Residency      where a request's state lived, one enum from here to the HTTP header
   Grant, Refusal TierManager.retain(): a retention granted, or refused with the reason
   ResidencyChange, ChangeKind   TierManager.take_residency_changes(): a block became
@@ -55,7 +57,7 @@ from kvtier.tier.keys import (
 )
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
-from kvtier.tier.load_policy import Decline
+from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy, LoadRule
 from kvtier.tier.match import Prefetch, declines
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TenantCounts, TierStats, TransferCounts
@@ -82,6 +84,7 @@ __all__ = [
     "NO_FAULTS",
     "NO_MATCH",
     "SAFE_RAM_SHARE",
+    "Ahead",
     "BelowReport",
     "BlockKey",
     "Calibration",
@@ -97,6 +100,8 @@ __all__ = [
     "Job",
     "KVLayout",
     "LoadDone",
+    "LoadPolicy",
+    "LoadRule",
     "Match",
     "Medium",
     "PageStore",

@@ -5,6 +5,7 @@ import json
 import sys
 import types
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,10 @@ def write_jsonl(tmp_path: Path) -> Path:
     (("--limit", "0"), "limit=0: expected None (all requests) or an integer >= 1"),
     (("--time-scale", "-1"), "time_scale"),
     (("--scale-length", "0.5"), "applies to Mooncake traces only"),
+    (("--load-policy", "sometimes"), "load_policy='sometimes' is not one of auto"),
+    (("--max-load-gbps", "0"), "max_load_gbps=0.0 must be a number of GB/s > 0"),
+    (("--clients", "0"), "clients=0 must be a whole number >= 1"),
+    (("--max-num-seqs", "-2"), "max_num_seqs=-2 must be a whole number >= 1"),
 ])
 def test_a_bad_trace_flag_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            flags: tuple[str, ...], message: str) -> None:
@@ -148,3 +153,22 @@ def test_a_trace_flag_without_a_trace_is_an_error() -> None:
         run_plan(parse("--limit", "5"))
     with pytest.raises(ConfigError, match=r"--time-scale 2\.0 applies"):
         run_plan(parse("--time-scale", "2"))
+    with pytest.raises(ConfigError, match="--load-policy never applies"):
+        run_plan(parse("--load-policy", "never"))
+
+
+def test_the_engine_knobs_reach_the_simulation(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # 3 sessions of 2000 tokens woken from host: never recomputes all three and says why;
+    # one client sends one turn at a time; a restore capped at 1 GB/s (always loaded: auto
+    # would recompute it) takes at least its bytes / 1 GB/s
+    fake_loader(monkeypatch)
+    run_plan(parse("--trace", "t.jsonl", "--device-sessions", "1", "--load-policy", "never"))
+    assert "restores declined (recomputed): policy 3" in capsys.readouterr().out
+    run_plan(parse("--trace", "t.jsonl", "--device-sessions", "1", "--clients", "1",
+                   "--max-load-gbps", "1", "--load-policy", "always", "--json"))
+    sim = json.loads(capsys.readouterr().out)["simulation"]
+    spans = sorted((r["arrival_s"], r["finish_s"]) for r in sim["requests"])
+    assert all(b[0] >= a[1] for a, b in pairwise(spans))
+    host = [r for r in sim["requests"] if r["residency"] == "host"]
+    assert host and all(r["tier_s"] >= r["context"] * 131072 / 1e9 for r in host)

@@ -9,7 +9,7 @@ from kvtier.errors import ConfigError
 from kvtier.plan.analysis import HOST_USABLE_FRACTION, planner_for
 from kvtier.plan.hardware import GIB, HARDWARE, Hardware
 from kvtier.plan.models import MODELS
-from kvtier.plan.simulate import simulate
+from kvtier.plan.simulate import SimConfig, simulate
 from kvtier.stats import percentile
 
 MODEL = MODELS["llama-3.1-8b"]
@@ -36,11 +36,11 @@ def trace(think_s: list[float] | float, sessions: int = 4, turns: int = 3,
 
 def test_long_think_times_wake_from_host_and_back_to_back_never_does() -> None:
     # device holds 2 sessions; 4 sessions that idle 60 s between turns evict one another
-    idle = simulate(trace(60.0), MODEL, H100, device_sessions=2)
+    idle = simulate(trace(60.0), MODEL, H100, config=SimConfig(device_sessions=2))
     assert idle.ttft["host"]["count"] == 8 and idle.restores == 8
     assert idle.ttft["new"]["count"] == 4 and idle.ttft["resident"]["count"] == 0
     # no think time: every follow-up finds its session still on the device
-    busy = simulate(trace(0.0), MODEL, H100, device_sessions=2)
+    busy = simulate(trace(0.0), MODEL, H100, config=SimConfig(device_sessions=2))
     assert busy.ttft["host"]["count"] == 0 and busy.restores == 0
     assert busy.ttft["resident"]["count"] == 8
     # a host wake pays the link; a resident turn prefills 200 tokens only
@@ -58,8 +58,9 @@ def test_simultaneous_wakes_raise_host_ttft() -> None:
     finish = {r.session_id: r.finish_s for r in base.records}
     aligned = [200.0 - finish[f"s{i}"] for i in range(6)]
     spread = [200.0 + 10 * i - finish[f"s{i}"] for i in range(6)]
-    contended = simulate(sessions(aligned, 2), MODEL, H100, device_sessions=1)
-    calm = simulate(sessions(spread, 2), MODEL, H100, device_sessions=1)
+    contended = simulate(sessions(aligned, 2), MODEL, H100,
+                         config=SimConfig(device_sessions=1))
+    calm = simulate(sessions(spread, 2), MODEL, H100, config=SimConfig(device_sessions=1))
     assert contended.ttft["host"]["count"] == calm.ttft["host"]["count"] == 6
     assert contended.ttft["host"]["p99"] > 2 * calm.ttft["host"]["p99"]
     assert max(r.link_wait_s + r.queue_s for r in contended.records) > 0.3
@@ -70,28 +71,30 @@ def test_a_turn_waits_for_device_room_held_by_running_sessions() -> None:
     # room for one session: the second session's first turn, sent while the first decodes,
     # is admitted only when the first finishes, and that wait is its queue part
     two = trace(0.0, sessions=2, turns=1, start_gap_s=0.001, prompt=2000)
-    sim = simulate(two, MODEL, H100, device_sessions=1)
+    sim = simulate(two, MODEL, H100, config=SimConfig(device_sessions=1))
     first, second = sorted(sim.records, key=lambda r: r.arrival_s)
     assert second.queue_s == pytest.approx(first.finish_s - second.arrival_s)
     assert first.queue_s == 0.0
     assert second.queue_s + second.tier_s + second.compute_s == pytest.approx(second.ttft_s)
-    roomy = simulate(two, MODEL, H100, device_sessions=2)
+    roomy = simulate(two, MODEL, H100, config=SimConfig(device_sessions=2))
     # what is left is the wait for the compute server (the first prefill, ~67 ms)
     assert max(r.queue_s for r in roomy.records) < second.queue_s / 5
 
 
 def test_deterministic_and_classes_when_the_host_tier_is_too_small() -> None:
-    a = simulate(trace(30.0, sessions=5), MODEL, H100, device_sessions=2)
-    b = simulate(trace(30.0, sessions=5), MODEL, H100, device_sessions=2)
+    a = simulate(trace(30.0, sessions=5), MODEL, H100, config=SimConfig(device_sessions=2))
+    b = simulate(trace(30.0, sessions=5), MODEL, H100, config=SimConfig(device_sessions=2))
     assert a == b
     tiny_host = H100.with_overrides(host_gib=1.0)  # 1/8 GiB per replica: nothing fits
-    c = simulate(trace(30.0, sessions=5), MODEL, tiny_host, device_sessions=2)
+    c = simulate(trace(30.0, sessions=5), MODEL, tiny_host,
+                 config=SimConfig(device_sessions=2))
     assert c.ttft["host"]["count"] == 0 and c.ttft["recomputed"]["count"] > 0
     assert c.ttft["recomputed"]["p50"] > a.ttft["host"]["p50"]
-    forced = simulate(trace(30.0, sessions=5), MODEL, H100, device_sessions=2, mode="recompute")
+    forced = simulate(trace(30.0, sessions=5), MODEL, H100,
+                      config=SimConfig(device_sessions=2, preemption_mode="recompute"))
     assert forced.ttft["host"]["count"] == 0 and forced.ttft["recomputed"]["count"] > 0
     with pytest.raises(ConfigError, match="device_sessions=0"):
-        simulate(trace(1.0), MODEL, H100, device_sessions=0)
+        simulate(trace(1.0), MODEL, H100, config=SimConfig(device_sessions=0))
 
 
 def test_shared_compute_makes_a_short_prefill_wait_for_and_share_decode_steps() -> None:
@@ -99,9 +102,9 @@ def test_shared_compute_makes_a_short_prefill_wait_for_and_share_decode_steps() 
     # turn costs at least one weight stream, and turns that arrive while other sessions
     # decode wait for, and share, their steps
     cpu = H100.with_overrides(shared_compute=True)
-    alone = simulate(trace(0.05, sessions=1), MODEL, cpu, device_sessions=4)
+    alone = simulate(trace(0.05, sessions=1), MODEL, cpu, config=SimConfig(device_sessions=4))
     crowded = simulate(trace(0.05, sessions=4, start_gap_s=0.0), MODEL, cpu,
-                       device_sessions=4)
+                       config=SimConfig(device_sessions=4))
     floor = MODEL.weights_bytes / (H100.hbm_gbps * 1e9)
     assert all(r.ttft_s >= floor for r in alone.records)
     assert crowded.ttft["resident"]["p50"] > alone.ttft["resident"]["p50"]
@@ -120,7 +123,7 @@ def test_split_sums_to_ttft_for_every_class(shared: bool) -> None:
     # s0 answers back to back (resident); the others idle 60 s with room for 2 sessions on
     # the device and ~1 on the host: they wake from host or, pushed out of it, recompute
     hw = one_session_host(H100, shared)
-    sim = simulate(trace([0.0, 60.0, 60.0, 60.0]), MODEL, hw, device_sessions=2)
+    sim = simulate(trace([0.0, 60.0, 60.0, 60.0]), MODEL, hw, config=SimConfig(device_sessions=2))
     counts = {cls: sim.ttft[cls]["count"] for cls in ("resident", "host", "recomputed", "new")}
     assert all(n > 0 for n in counts.values()), counts
     for r in sim.records:
@@ -146,7 +149,7 @@ def test_a_host_restores_tier_part_is_its_transfer_and_grows_with_context() -> N
     # tier part is transfer + wake overhead, proportional to the bytes
     turns = [Turn(f"s{i}", k, 30.0 * i if k == 0 else 60.0, (1,) * (n if k == 0 else 200), 100)
              for i, n in enumerate((4000, 32000)) for k in range(2)]
-    sim = simulate(turns, MODEL, H100, idle_offload_s=5.0)
+    sim = simulate(turns, MODEL, H100, config=SimConfig(idle_offload_s=5.0))
     host = {r.session_id: r for r in sim.records if r.residency == "host"}
     assert set(host) == {"s0", "s1"}
     for r in host.values():
@@ -175,10 +178,10 @@ def test_idle_offload_demotes_sessions_that_think_longer_than_it() -> None:
     # the device holds everything: only idle_offload_s moves sessions to host
     keep = simulate(trace(10.0), MODEL, H100)
     assert keep.ttft["resident"]["count"] == 8 and keep.idle_demotions == 0
-    demote = simulate(trace(10.0), MODEL, H100, idle_offload_s=5.0)
+    demote = simulate(trace(10.0), MODEL, H100, config=SimConfig(idle_offload_s=5.0))
     assert demote.ttft["host"]["count"] == 8 and demote.restores == 8
     assert demote.idle_demotions >= 8 and demote.stores == demote.idle_demotions
-    late = simulate(trace(10.0), MODEL, H100, idle_offload_s=20.0)
+    late = simulate(trace(10.0), MODEL, H100, config=SimConfig(idle_offload_s=20.0))
     assert late.ttft["resident"]["count"] == 8 and late.restores == 0
     with pytest.raises(ConfigError, match="idle_offload_s=-1"):
-        simulate(trace(1.0), MODEL, H100, idle_offload_s=-1)
+        simulate(trace(1.0), MODEL, H100, config=SimConfig(idle_offload_s=-1))
