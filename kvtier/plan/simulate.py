@@ -3,7 +3,7 @@
 Primitives: `simulate(requests, model, hardware, kv_dtype, SimConfig) -> SimResult`. Pinned
 between events: a device KV pool and a host tier (both LRU over whole sessions), the link
 (full duplex, as PCIe is: restores queue FIFO host -> device, at most `max_load_gbps`; stores
-of evicted sessions queue FIFO device -> host) and one compute server (a FIFO of prefills).
+of evicted sessions queue FIFO device -> host) and the engine, which runs steps.
 Per turn of a session, at its arrival:
 
     resident    its KV is on the device: prefill the new tokens only
@@ -14,8 +14,8 @@ Per turn of a session, at its arrival:
     new         the session's first turn: prefill its prompt
 
 The restore-or-recompute verdict is the engine's own code (`LoadPolicy.decide`), given what
-queues ahead of the turn as the engine sees it: loads not landed, their bytes still on the
-link, and prefill tokens admitted and not yet computed. Making room evicts the least
+queues ahead of the turn as the engine counts it: loads not landed and their whole bytes
+(the engine does not see a load's progress), and prefill tokens admitted and not computed. Making room evicts the least
 recently used idle sessions to the host tier; a restore into that room starts once their
 stores are out. A turn is admitted, first come first served, only when the running sessions
 leave room for it (idle ones can always be evicted) and fewer than `max_num_seqs` run, as
@@ -23,20 +23,23 @@ the engine waits for device blocks; a turn too large for any room runs alone rat
 deadlock. With `clients` the load is a closed loop (a benchmark's max concurrency): at most
 that many turns are sent and unfinished, the next waits for one to end and its TTFT counts
 from when it is sent. With `idle_offload_s` a session idle that long moves to the host tier
-(a store) even without pressure, as the engine's knob does. Prefill takes the planner's `prefill_s`
-(linear + causal attention over the cached prefix), at least one memory-bound forward
-(weights / HBM bandwidth). Decode is memory bound: each output token costs (weights + the
-session's KV bytes) / HBM bandwidth, and runs beside prefills (continuous batching), so it
-delays the session's next turn, not the server. On hardware with `shared_compute` (a CPU)
-the server instead runs engine steps: each step takes every queued prefill plus one row per
-decoding session and costs a fixed part (the measured cost of a step, at least one weight
-stream) + their prefill time + rows x the measured cost of a row, so a short prefill waits
-for the running step and shares it.
+(a store) even without pressure, as the engine's knob does.
+
+The engine runs one step at a time, as vLLM's and kvtier's schedulers do: a step takes the
+ready prefills first come first served by admission (a turn whose restore is in flight
+keeps its place, as vLLM's waiting-for-KV requests do), chunked at `max_num_batched_tokens`,
+and gives one output token to every decoding session; a turn that becomes ready waits for
+the running step. A prefill chunk costs the planner's `prefill_s` (linear + causal
+attention over what is already cached). On a GPU a step costs the larger of its prefill
+compute and one read of the weights and the running sessions' KV from HBM (decode is
+memory bound); on hardware with `shared_compute` (a CPU) it costs a fixed part (the measured
+cost of a step, at least one weight stream) + its prefill + rows x the measured cost of a
+row.
 
 Each TTFT splits as `kvtier bench` measures it: queue (arrival -> admitted, plus the wait
-for the compute server or the running step once the turn is ready), tier (admitted -> prior
+for the step that takes its first chunk once the turn is ready), tier (admitted -> prior
 state ready: link wait + transfer + wake overhead of a restore) and compute (the prefill,
-or the step shared with others, up to the first token). A recomputed turn's tier part is
+in steps shared with others, up to the first token). A recomputed turn's tier part is
 the prefill of its prior context alone, `prefill_s(context, 0)`: the cost model is additive,
 so what is left is what its new tokens cost on that prefix.
 Deterministic: no clocks, no randomness; ties break by the order events were made.
@@ -78,6 +81,8 @@ class SimConfig:
     # session found on host: the engine's own rule
     max_load_gbps: float | None = None  # cap on host -> device restores, GB/s (None: link)
     max_num_seqs: int | None = None  # turns running at once (None: only the pool bounds it)
+    # prefill tokens one engine step takes (chunked prefill; None: every ready prefill whole)
+    max_num_batched_tokens: int | None = None
     clients: int | None = None  # closed loop: turns sent and unfinished (None: open loop)
 
     def check(self) -> None:
@@ -88,7 +93,7 @@ class SimConfig:
         if not isinstance(self.load_policy, LoadPolicy):
             raise ConfigError(f"load_policy={self.load_policy!r}: parse it first "
                               "(LoadPolicy.parse)")
-        for name in ("device_sessions", "max_num_seqs", "clients"):
+        for name in ("device_sessions", "max_num_seqs", "max_num_batched_tokens", "clients"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -118,12 +123,15 @@ class _Admitted:
     residency: Residency
     context: int
     total_tokens: int  # the session's context once this turn's output is done
-    prefill_s: float = 0.0  # the prefill's own compute, before the one-forward floor
+    order: int = 0  # admission order: a step takes ready prefills first come first served
+    prefill_left: int = 0  # tokens of its prefill no step has taken yet
+    prefill_done: int = 0  # tokens in its cache before the next chunk (attention's reach)
     recompute_share_s: float = 0.0  # of that, rebuilding the prior context (tier time)
     admitted_s: float = 0.0  # its restore could start (a running step deferred it)
     link_wait_s: float = 0.0
     ready_s: float = 0.0  # its prior state is in place: it may be computed
-    start_s: float = 0.0  # its prefill started (on the server, or the step took it)
+    start_s: float = 0.0  # a step took its first chunk
+    started: bool = False
 
 
 class _Sim:
@@ -150,9 +158,9 @@ class _Sim:
         self.idle_offload_s = config.idle_offload_s
         self.events: list[tuple[float, int, str, Hashable, float]] = []
         self.seq = 0
-        self.up_free = self.down_free = self.server_free = 0.0  # FIFOs: free from then on
+        self.up_free = self.down_free = 0.0  # the link's two FIFOs: free from then on
         self.link_busy = self.compute_busy = 0.0
-        self.landing: list[float] = []  # when each restore decided lands (a heap)
+        self.landing: list[tuple[float, int]] = []  # restores not landed: (end, bytes)
         self.uncomputed: dict[Hashable, int] = {}  # admitted turns' prefill tokens, not run
         self.declined: dict[str, int] = {}  # turns whose restore was declined, by reason
         self.sent = 0  # turns sent and unfinished (bounded by `clients`)
@@ -168,10 +176,11 @@ class _Sim:
         self.context_token_s = hardware.context_token_s
         # One decode row: measured where known, else one prefill token's worth.
         self.row_s = hardware.decode_row_s or 1 / self.planner.calibration.prefill_tokens_per_s
-        self.prefill_queue: list[Hashable] = []
-        self.in_step: list[Hashable] = []  # the prefills of the step now running
-        # restores awaiting a step boundary: session, bytes, work, when their room is out
-        self.deferred: list[tuple[Hashable, int, float, float]] = []
+        self.admitted = 0  # turns admitted so far: each one's `order`
+        self.prefill_queue: list[Hashable] = []  # ready turns with prefill left
+        self.in_step: list[tuple[Hashable, int]] = []  # the step now running: (turn, chunk)
+        # restores awaiting a step boundary: session, bytes, when their room is out
+        self.deferred: list[tuple[Hashable, int, float]] = []
         self.decoding: dict[Hashable, int] = {}  # session -> output tokens still to come
         self.first_token: dict[Hashable, float] = {}
         self.stepping = False
@@ -194,10 +203,9 @@ class _Sim:
 
     def ahead(self, t: float) -> Ahead:
         """What a restore decided at `t` queues behind, as the engine counts it."""
-        while self.landing and self.landing[0] <= t:
+        while self.landing and self.landing[0][0] <= t:
             heapq.heappop(self.landing)
-        return Ahead(loads=len(self.landing),
-                     link_bytes=int(max(0.0, self.up_free - t) * self.load_bps),
+        return Ahead(loads=len(self.landing), link_bytes=sum(n for _, n in self.landing),
                      compute_tokens=sum(self.uncomputed.values()))
 
     def restores_now(self, t: float, context: int, nbytes: int) -> bool:
@@ -212,11 +220,8 @@ class _Sim:
             self.declined[reason.value] = self.declined.get(reason.value, 0) + 1
         return reason is None
 
-    def compute_s(self, tokens: int, cached: int) -> float:
-        return max(self.planner.prefill_s(tokens, cached), self.weights / self.hbm_bps)
-
-    def step_prefill_s(self, tokens: int, cached: int) -> float:
-        """A prefill's share of a step; the measured per-context-token cost where known."""
+    def chunk_s(self, tokens: int, cached: int) -> float:
+        """A prefill chunk's share of a step; the measured per-context-token cost where known."""
         if self.context_token_s:
             return self.planner.prefill_s(tokens, 0) + cached * self.context_token_s
         return self.planner.prefill_s(tokens, cached)
@@ -302,7 +307,6 @@ class _Sim:
             if s.where == "host":
                 self.host.pop(sid)
             residency, tokens, cached = Residency.RECOMPUTED if ctx else Residency.NEW, ctx + new, 0
-        work = self.compute_s(tokens, cached)
         after = self.tokens_after_turn(sid)
         total = after * self.per_token
         room_at = self.make_room(t, total)
@@ -310,42 +314,32 @@ class _Sim:
         s.where = "device"
         self.uncomputed[sid] = tokens
         share = self.planner.prefill_s(ctx, 0) if residency is Residency.RECOMPUTED else 0.0
-        self.pending[sid] = _Admitted(req, arrival, residency, ctx, after,
-                                      self.step_prefill_s(tokens, cached), share, t)
+        self.admitted += 1
+        self.pending[sid] = _Admitted(req, arrival, residency, ctx, after, self.admitted,
+                                      tokens, cached, share, t)
         if residency is not Residency.HOST:
-            self.push(t, "ready", sid, work)
+            self.push(t, "ready", sid)
         elif self.shared and self.stepping:
-            # The engine admits between steps: the restore starts when the running step
+            # kvtier's engine admits between steps: the restore starts when the running step
             # ends, and the woken turn computes in the step after its load lands.
-            self.deferred.append((sid, held, work, room_at))
+            self.deferred.append((sid, held, room_at))
         else:
-            self.restore(t, sid, held, work, room_at)
+            self.restore(t, sid, held, room_at)
 
-    def restore(self, t: float, sid: Hashable, held: int, work: float, room_at: float
-                ) -> None:
+    def restore(self, t: float, sid: Hashable, held: int, room_at: float) -> None:
         """Load `held` bytes once the room made for them is out and the link is free."""
         start, end = self.load(max(t, room_at), held)
-        heapq.heappush(self.landing, end)
+        heapq.heappush(self.landing, (end, held))
         self.restores += 1
         p = self.pending[sid]
         p.admitted_s, p.link_wait_s = t, start - t
-        self.push(end + self.wake_overhead_s, "ready", sid, work)
+        self.push(end + self.wake_overhead_s, "ready", sid)
 
-    def ready(self, t: float, sid: Hashable, work: float) -> None:
-        p = self.pending[sid]
-        p.ready_s = t
-        if self.shared:
-            self.prefill_queue.append(sid)
-            self.start_step(t)
-            return
-        p.start_s = max(t, self.server_free)
-        self.server_free = first = p.start_s + work
-        self.compute_busy += work
-        self.push(first, "computed", sid)
-        step = (self.weights + p.total_tokens * self.per_token) / self.hbm_bps
-        finish = first + p.req.output_tokens * step
-        self.records.append(self.record(sid, first, finish))
-        self.push(finish, "finish", sid)
+    def ready(self, t: float, sid: Hashable) -> None:
+        """Its prior state is in place: its prefill queues for the next step."""
+        self.pending[sid].ready_s = t
+        self.prefill_queue.append(sid)
+        self.start_step(t)
 
     def record(self, sid: Hashable, first: float, finish: float) -> SimRecord:
         """The turn's record: its TTFT split at the instants its `_Admitted` noted."""
@@ -358,23 +352,39 @@ class _Sim:
             tier_s=(p.ready_s - p.admitted_s) + share, compute_s=(first - p.start_s) - share)
 
     def start_step(self, t: float) -> None:
-        """Shared compute: one engine step over every queued prefill and every decode row."""
+        """One engine step: ready prefills first come first served (chunked at
+        `max_num_batched_tokens`) and one token for every decoding session. A CPU pays a
+        fixed part, the prefill and a cost per decode row; a GPU the larger of the prefill's
+        compute and one read of the weights and the running sessions' KV."""
         if self.stepping or not (self.prefill_queue or self.decoding):
             return
-        self.in_step, self.prefill_queue = self.prefill_queue, []  # later arrivals wait
-        for sid in self.in_step:
-            self.pending[sid].start_s = t
-        prefill = sum(self.pending[sid].prefill_s for sid in self.in_step)
-        fixed = max(self.weights / self.hbm_bps, self.step_fixed_s)
-        cost = fixed + prefill + len(self.decoding) * self.row_s
+        budget = self.config.max_num_batched_tokens or (1 << 62)
+        self.prefill_queue.sort(key=lambda sid: self.pending[sid].order)
+        prefill = 0.0
+        for sid in self.prefill_queue:  # later arrivals wait for the next step
+            if budget <= 0:
+                break
+            p = self.pending[sid]
+            chunk = min(p.prefill_left, budget)
+            budget -= chunk
+            if not p.started:  # its first chunk
+                p.started, p.start_s = True, t
+            prefill += self.chunk_s(chunk, p.prefill_done)
+            self.in_step.append((sid, chunk))
+        if self.shared:
+            fixed = max(self.weights / self.hbm_bps, self.step_fixed_s)
+            cost = fixed + prefill + len(self.decoding) * self.row_s
+        else:
+            running = sum(self.pending[sid].total_tokens for sid in self.decoding)
+            cost = max(prefill, (self.weights + running * self.per_token) / self.hbm_bps)
         self.compute_busy += cost
         self.stepping = True
         self.push(t + cost, "step", None)
 
     def step_end(self, t: float) -> None:
         self.stepping = False
-        for sid, held, work, room_at in self.deferred:
-            self.restore(t, sid, held, work, room_at)
+        for sid, held, room_at in self.deferred:
+            self.restore(t, sid, held, room_at)
         self.deferred = []
         done: list[Hashable] = []
         for sid in list(self.decoding):
@@ -382,11 +392,18 @@ class _Sim:
             if self.decoding[sid] <= 0:
                 del self.decoding[sid]
                 done.append(sid)
-        for sid in self.in_step:
+        for sid, chunk in self.in_step:
+            p = self.pending[sid]
+            p.prefill_left -= chunk
+            p.prefill_done += chunk
+            self.uncomputed[sid] -= chunk
+            if p.prefill_left > 0:
+                continue
+            self.prefill_queue.remove(sid)
             self.first_token[sid] = t
-            self.uncomputed.pop(sid, None)
-            if self.pending[sid].req.output_tokens > 1:
-                self.decoding[sid] = self.pending[sid].req.output_tokens - 1
+            del self.uncomputed[sid]
+            if p.req.output_tokens > 1:
+                self.decoding[sid] = p.req.output_tokens - 1
             else:
                 done.append(sid)
         self.in_step = []
@@ -416,13 +433,11 @@ class _Sim:
             if kind == "arrive":
                 self.arrive(t, sid)
             elif kind == "ready":
-                self.ready(t, sid, value)
+                self.ready(t, sid)
             elif kind == "step":
                 self.step_end(t)
             elif kind == "idle":
                 self.idle(t, sid, value)
-            elif kind == "computed":
-                self.uncomputed.pop(sid, None)
             else:
                 self.finish(t, sid)
 

@@ -131,8 +131,34 @@ def test_max_num_seqs_bounds_the_turns_running_at_once() -> None:
 @pytest.mark.parametrize(("knobs", "message"), [
     ({"max_load_gbps": 0}, "max_load_gbps=0"), ({"max_load_gbps": float("inf")}, "max_load_gbps"),
     ({"max_load_gbps": "fast"}, "max_load_gbps='fast'"), ({"clients": 0}, "clients=0"),
-    ({"max_num_seqs": 2.5}, "max_num_seqs=2.5"), ({"load_policy": "always"}, "parse it first"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs=2.5"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0"), ({"load_policy": "always"}, "parse it first"),
     ({"preemption_mode": "sometimes"}, "preemption_mode='sometimes'")])
 def test_a_bad_knob_is_named(knobs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         simulate([], MODEL, H100, config=SimConfig(**knobs))
+
+
+def test_a_woken_turn_keeps_its_place_and_chunked_prefill_lets_it_in_early() -> None:
+    # b wakes from host (its 1 GB restore ~0.2 s at the cap); a 16000-token prompt arrives
+    # just after it and computes meanwhile. Chunked at 2048 tokens, b (admitted first) takes
+    # the step after its bytes land; unchunked, it waits for a's whole prefill
+    b0 = simulate([Turn("b", 0, 0.0, (1,) * 8000, 1)], MODEL, H100).records[0]
+    turns = [Turn("b", 0, 0.0, (1,) * 8000, 1), Turn("b", 1, 60.0 - b0.finish_s, (1,) * 200, 1),
+             Turn("a", 0, 60.001, (1,) * 16000, 1)]
+
+    def woken(budget: int | None) -> tuple[float, float]:
+        sim = simulate(turns, MODEL, H100, config=SimConfig(
+            idle_offload_s=5.0, load_policy=LoadPolicy.parse("always"), max_load_gbps=CAP,
+            max_num_batched_tokens=budget))
+        rec = {(r.session_id, r.turn): r for r in sim.records}
+        b, a = rec[("b", 1)], rec[("a", 0)]
+        assert b.residency == "host"
+        return b.ttft_s - b.tier_s, a.ttft_s  # b's bytes landed -> its first token
+
+    chunked_wait, chunked_a = woken(2048)
+    whole_wait, whole_a = woken(None)
+    a_alone = simulate(turns[2:], MODEL, H100).records[0].ttft_s
+    assert whole_wait > 0.5 * a_alone  # b's 200 tokens waited behind a's long prefill
+    assert chunked_wait < 0.2 * whole_wait  # one chunk's step, then its own
+    assert chunked_a >= a_alone  # a pays for b's step, a little
