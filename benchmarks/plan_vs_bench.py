@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         idle_offload_s=policy.idle_offload_s if tier_on else 0.0,
         load_policy=LoadPolicy.parse(offload.load_policy),
         max_load_gbps=offload.max_load_gbps if tier_on else None,
-        max_num_seqs=config.scheduler.max_num_seqs))
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
     sizing = (f"{args.device_sessions} sessions (device_sessions)" if args.device_sessions
               else f"{pool['device_tokens']:,} tokens = {pool['device_kv_bytes'] / 1e6:.1f} MB "
                    f"{kv_dtype} KV (hbm_gib override, device_sessions unused)")
