@@ -15,15 +15,16 @@ Per turn of a session, at its arrival:
 
 The restore-or-recompute verdict is the engine's own code (`LoadPolicy.decide`), given what
 queues ahead of the turn as the engine counts it: loads not landed and their whole bytes
-(the engine does not see a load's progress), and prefill tokens admitted and not computed. Making room evicts the least
-recently used idle sessions to the host tier; a restore into that room starts once their
-stores are out. A turn is admitted, first come first served, only when the running sessions
-leave room for it (idle ones can always be evicted) and fewer than `max_num_seqs` run, as
-the engine waits for device blocks; a turn too large for any room runs alone rather than
-deadlock. With `clients` the load is a closed loop (a benchmark's max concurrency): at most
-that many turns are sent and unfinished, the next waits for one to end and its TTFT counts
-from when it is sent. With `idle_offload_s` a session idle that long moves to the host tier
-(a store) even without pressure, as the engine's knob does.
+(the engine does not see a load's progress), and prefill tokens admitted and not computed.
+Making room evicts the least recently used idle sessions to the host tier; a restore into
+that room starts once their stores are out. A turn is admitted, first come first served,
+only when the running sessions leave room for it (idle ones can always be evicted) and fewer
+than `max_num_seqs` run, as the engine waits for device blocks; a turn too large for any
+room runs alone rather than deadlock. With `clients` the load is a closed loop (a
+benchmark's max concurrency): at most that many turns are sent and unfinished, the next
+waits for one to end and its TTFT counts from when it is sent. With `idle_offload_s` a
+session idle that long moves to the host tier (a store) even without pressure, as the
+engine's knob does.
 
 The engine runs one step at a time, as vLLM's and kvtier's schedulers do: a step takes the
 ready prefills first come first served by admission (a turn whose restore is in flight

@@ -132,7 +132,8 @@ def test_max_num_seqs_bounds_the_turns_running_at_once() -> None:
     ({"max_load_gbps": 0}, "max_load_gbps=0"), ({"max_load_gbps": float("inf")}, "max_load_gbps"),
     ({"max_load_gbps": "fast"}, "max_load_gbps='fast'"), ({"clients": 0}, "clients=0"),
     ({"max_num_seqs": 2.5}, "max_num_seqs=2.5"),
-    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0"), ({"load_policy": "always"}, "parse it first"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0"),
+    ({"load_policy": "always"}, "parse it first"),
     ({"preemption_mode": "sometimes"}, "preemption_mode='sometimes'")])
 def test_a_bad_knob_is_named(knobs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -157,7 +158,7 @@ def test_a_woken_turn_keeps_its_place_and_chunked_prefill_lets_it_in_early() -> 
         return b.ttft_s - b.tier_s, a.ttft_s  # b's bytes landed -> its first token
 
     chunked_wait, chunked_a = woken(2048)
-    whole_wait, whole_a = woken(None)
+    whole_wait, _ = woken(None)
     a_alone = simulate(turns[2:], MODEL, H100).records[0].ttft_s
     assert whole_wait > 0.5 * a_alone  # b's 200 tokens waited behind a's long prefill
     assert chunked_wait < 0.2 * whole_wait  # one chunk's step, then its own
