@@ -1,21 +1,37 @@
-"""What of a prefix below host comes up into host, and whether: for a waiting request (if
-reading it beats recomputing it, given what the load would queue behind) or for a client's
-prefetch, always within the deadline's cap at the predicted rate and the host's room."""
+"""What of a prefix comes back and how, decided in one call (`FetchUp.plan`): of what the
+tiers hold after the device's prefix (leading blocks in host memory, then blocks below host),
+how many blocks come up from which tier within the deadline's cap at the predicted rate,
+whether that fetch beats recomputing them given what it would queue behind, and otherwise
+whether the host's blocks are loaded or recomputed, each recompute with its reason; and a
+client's prefetch, bounded the same way and by the host's room."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.prefetch_budget import PrefetchBudget
-from kvtier.tier.books.state import RequestState
 from kvtier.tier.config import TierConfig
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
 from kvtier.tier.match import Prefetch
-from kvtier.tier.planner import Planner
+from kvtier.tier.planner import Decision, Planner
 
-AheadOf = Callable[[str], Ahead]  # what a fetch from the tier named would queue behind
+AheadOf = Callable[[str | None], Ahead]  # what a load (None) or a fetch from a tier queues behind
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """The whole verdict on a prefix found after the device's, for one request."""
+
+    fetch: int = 0  # blocks below host to bring up first (the request asks again after)
+    via: Medium | None = None  # the deepest tier the fetch reads from
+    # tokens found but recomputed, and why: past the deadline's cap, or a fetch not worth it
+    declined: tuple[tuple[Decline, int], ...] = ()
+    load: bool = False  # when nothing is fetched: the host's blocks are loaded now
+    decision: Decision | None = None  # the host load's verdict, scored against the load
+    load_declined: Decline | None = None  # why the host's blocks are recomputed instead
 
 
 class FetchUp:
@@ -30,28 +46,35 @@ class FetchUp:
         self.block_size = block_size
         self.block_bytes = block_bytes  # bytes of one block across the host link
 
-    def for_request(self, request_id: str, state: RequestState, keys: Sequence[BlockKey],
-                    tokens: Sequence[Sequence[int]], media: list[Medium], ahead: AheadOf
-                    ) -> bool:
-        """Start bringing the leading `media` blocks up to host if reading them beats
-        recomputing them; False if not worth it or the host has no room (those tokens are
-        then recomputed, and counted so when the request is admitted)."""
-        n = self.within_deadline(media)
-        state.declined[Decline.DEADLINE] += (len(media) - n) * self.block_size
-        if n == 0:
-            return False
-        via = self.below.deepest(media[:n]).value
-        _, reason = self.load_policy.decide(self.planner, n * self.block_size,
-                                            n * self.block_bytes, ahead(via), via,
-                                            via_nbytes=n * self.below.block_bytes)
-        if reason is not None:
-            state.declined[reason] += n * self.block_size
-            return False
-        if self.start(request_id, keys[:n], tokens[:n], media[:n]):
-            state.fetching = True
-            return True
-        state.declined[Decline.NO_ROOM] += n * self.block_size
-        return False
+    def plan(self, host_blocks: int, host_tokens: int, below: Sequence[Medium],
+             ahead: AheadOf, preempted: bool = False) -> FetchPlan:
+        """The verdict on a prefix whose first `host_blocks` blocks (`host_tokens` tokens)
+        are in host memory and whose next blocks lie below host on `below`: fetch the
+        leading ones the deadline's cap allows if reading them beats recomputing them (what
+        the fetch and then the load would queue behind counted); else load or recompute the
+        host's blocks. A preempted request's own state was already judged worth its swap."""
+        declined: list[tuple[Decline, int]] = []
+        n = self.within_deadline(below)
+        if len(below) > n:
+            declined.append((Decline.DEADLINE, (len(below) - n) * self.block_size))
+        if n:
+            via = self.below.deepest(below[:n])
+            _, reason = self.load_policy.decide(
+                self.planner, n * self.block_size, n * self.block_bytes, ahead(via.value),
+                via.value, via_nbytes=n * self.below.block_bytes)
+            if reason is None:
+                return FetchPlan(n, via, tuple(declined))
+            declined.append((reason, n * self.block_size))
+        if host_blocks == 0:
+            return FetchPlan(declined=tuple(declined))
+        nbytes = host_blocks * self.block_bytes
+        if preempted:
+            return FetchPlan(declined=tuple(declined), load=True,
+                             decision=self.planner.decide(host_tokens, nbytes, "swap"))
+        decision, reason = self.load_policy.decide(self.planner, host_tokens, nbytes,
+                                                   ahead(None))
+        return FetchPlan(declined=tuple(declined), load=reason is None, decision=decision,
+                         load_declined=reason)
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
                  tokens: Sequence[Sequence[int]], hits: int, tenant: str = ""

@@ -179,31 +179,34 @@ class TierManager:
         cap = self.config.max_load_tokens
         if cap is not None:
             hits = min(hits, cap // self.block_size)
+        media: list[Medium] = []
         if not preempted and not state.checked_below and hits < len(keys) and self.below:
             # A tier in a slow cool-down is asked too: the planner weighs it at the rate it
             # showed, and what that rules out is counted declined, never skipped unsaid.
-            media = self.below.hits(keys[hits:], tokens[hits:])
-            if media is None:
+            found = self.below.hits(keys[hits:], tokens[hits:])
+            if found is None:
                 return None
             state.checked_below = True
-            if cap is not None:
-                media = media[: max(0, cap // self.block_size - hits)]
-            if self.fetch_up.for_request(request_id, state, keys[hits:], tokens[hits:], media,
-                                         lambda via: self._ahead(compute_ahead, via)):
+            media = found if cap is None else found[: max(0, cap // self.block_size - hits)]
+        restored = sum(len(t) for t in tokens[:hits])
+        plan = self.fetch_up.plan(hits, restored, media,
+                                  lambda via: self._ahead(compute_ahead, via), preempted)
+        for reason, n in plan.declined:
+            state.declined[reason] += n
+        if plan.fetch:
+            n = plan.fetch
+            if self.fetch_up.start(request_id, keys[hits:hits + n], tokens[hits:hits + n],
+                                   media[:n]):
+                state.fetching = True
                 return FETCHING
+            state.declined[Decline.NO_ROOM] += n * self.block_size
         if hits == 0:
             return Match(declined_by=declines(state.declined)) if state.declined else NO_MATCH
-        restored = sum(len(t) for t in tokens[:hits])
-        reason = None
-        if preempted:  # a swap was already judged worth it
-            decision = self.planner.decide(restored, hits * self.block_bytes, "swap")
-        else:
-            decision, reason = self.load_policy.decide(
-                self.planner, restored, hits * self.block_bytes, self._ahead(compute_ahead))
-        if reason is not None:
-            return Match(decision=decision,
-                         declined_by=declines(state.declined, (reason, restored)))
-        return Match(tuple(keys[:hits]), restored, decision, state.fetched_from,
+        if not plan.load:
+            assert plan.load_declined is not None
+            return Match(decision=plan.decision,
+                         declined_by=declines(state.declined, (plan.load_declined, restored)))
+        return Match(tuple(keys[:hits]), restored, plan.decision, state.fetched_from,
                      declined_by=declines(state.declined))
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
