@@ -1,6 +1,7 @@
 """kvtier at load, judged by harnesses it did not write: `vllm serve` (the CPU wheel's OpenAI
 server) plain, with kvtier's connector (host; host + disk; host + Redis; the host under each
-load_policy), with LMCache 0.5.6's multi-process server as its host tier (`lmcache`: the same
+load_policy; the disk with its page cache dropped every 0.5 s, `kvtier-disk-cold`), with
+LMCache 0.5.6's multi-process server as its host tier (`lmcache`: the same
 pool and host budget; void where its server retrieved nothing), and the limit (plain vLLM
 with a pool that keeps every session), each driven by
 `vllm bench serve --dataset-name prefix_repetition` (in vLLM's wheel) and GuideLLM (PyPI;
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 from at_load_report import LMCACHE_RETRIEVED, report, write_pages  # noqa: E402
 from common import write_result  # noqa: E402
+from disk_layout import drop_cache  # noqa: E402
 from lmcache_peer import LMCACHE_PYTHON, LmcacheServer  # noqa: E402
 from local_redis import LocalRedis  # noqa: E402
 from regime import Regime, on_plain_vllm  # noqa: E402
@@ -84,6 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                            "requests": 500}},
 }
 HOST = {"kv_offloading_size": 1.0}
+COLD_EVERY_S = 0.5  # kvtier-disk-cold: the slot file's pages are dropped this often
 SMALL_HOST = {"kv_offloading_size": 0.08}  # ~14 blocks: the rest of the sessions lives below
 
 
@@ -95,6 +98,7 @@ class Config:
     pool: str
     connector: dict[str, Any] | None = None
     lmcache: bool = False
+    cold_every_s: float | None = None  # drop the disk tier's pages this often (cold reads)
 
 
 def configs(tmp: Path, redis_url: str | None, capped: Regime | None = None
@@ -105,6 +109,8 @@ def configs(tmp: Path, redis_url: str | None, capped: Regime | None = None
            "kvtier-host": Config("pool", HOST),
            "kvtier-disk": Config("pool", {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"),
                                           "disk_kv_size": 2}),
+           "kvtier-disk-cold": Config("pool", {**SMALL_HOST, "disk_kv_path": str(tmp / "kv"),
+                                               "disk_kv_size": 2}, cold_every_s=COLD_EVERY_S),
            "always": Config("pool", {**HOST, "load_policy": "always"}),
            "never": Config("pool", {**HOST, "load_policy": "never"}),
            "threshold:1024:8": Config("pool", {**HOST, "load_policy": "threshold:1024:8"}),
@@ -118,6 +124,30 @@ def configs(tmp: Path, redis_url: str | None, capped: Regime | None = None
         out = {name: replace(c, connector={**c.connector, "max_load_gbps": capped.cap_gbps})
                if c.connector else c for name, c in out.items()}
     return out
+
+
+class ColdPages:
+    """Keeps the disk tier cold while a server runs: every `every_s` the kernel is told to
+    forget the pages of the files under `directory` (posix_fadvise DONTNEED), so a wake
+    reads its blocks from the device, not from the page cache."""
+
+    def __init__(self, directory: Path, every_s: float) -> None:
+        import threading
+
+        self.directory, self.every_s = directory, every_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cold-pages", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(self.every_s):
+            drop_cache([p for p in self.directory.rglob("*") if p.is_file()])
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=10)
 
 
 def run_vllm_bench(url: str, model: Path, load: int, seed: int, p: dict[str, Any],
@@ -249,8 +279,12 @@ def main() -> int:
                                 max_num_seqs=preset["max_num_seqs"],
                                 peer=peer.kv_transfer_config() if peer else None,
                                 python=LMCACHE_PYTHON if peer else VLLM_PYTHON)
+            cold = (ColdPages(Path(config.connector["disk_kv_path"]), config.cold_every_s)
+                    if config.cold_every_s and config.connector else None)
             try:
                 server.start()
+                if cold is not None:
+                    cold.start()
                 for h in harnesses:
                     for i, load in enumerate(loads):
                         for r in range(args.repeats):  # new prefixes each time: no hit carried
@@ -261,6 +295,8 @@ def main() -> int:
                                                          peer))
                             print(f"{name:>18} {h:>10} load {load} run {r}: done", flush=True)
             finally:
+                if cold is not None:
+                    cold.stop()
                 server.close()
                 if peer is not None:
                     # its own log is the proof: a run that retrieved nothing is void
