@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +37,12 @@ from kvtier.errors import ConfigError
 from kvtier.plan.analysis import analyze
 from kvtier.plan.hardware import resolve_hardware
 from kvtier.plan.models import resolve_model
-from kvtier.plan.simulate import SimConfig, SimResult, simulate
+from kvtier.plan.simulate import SimConfig, SimResult, SimTurn, simulate
 from kvtier.stats import percentile
 from kvtier.tier import LoadPolicy
 
 LIMIT = "limit"
 
-
-@dataclass(frozen=True)
-class Turn:
-    session_id: int
-    turn: int
-    arrival_s: float
-    new_tokens: tuple[int, ...]
-    output_tokens: int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def population(sessions: int, context: int, turns: int, turn_tokens: int, output: int,
-               seed: int = 0) -> list[Turn]:
+               seed: int = 0) -> list[SimTurn]:
     """`sessions` sessions all due at t=0 (a closed loop of clients sends them in order).
     Follow-up and answer lengths are uniform in [0.5, 1.5] x the given ones, drawn from
     `seed`: equal lengths would keep the clients in lockstep, waking in bursts."""
@@ -84,7 +75,7 @@ def population(sessions: int, context: int, turns: int, turn_tokens: int, output
     def about(n: int) -> int:
         return max(1, round(n * rng.uniform(0.5, 1.5)))
 
-    return [Turn(s, k, 0.0, (1,) * (context if k == 0 else about(turn_tokens)), about(output))
+    return [SimTurn(s, k, 0.0, (1,) * (context if k == 0 else about(turn_tokens)), about(output))
             for s in range(sessions) for k in range(turns)]
 
 

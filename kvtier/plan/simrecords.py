@@ -32,6 +32,17 @@ class TurnRequest(Protocol):
 
 
 @dataclass(frozen=True)
+class SimTurn:
+    """A turn made up rather than read from a trace (a load a benchmark or test builds)."""
+
+    session_id: Hashable
+    turn: int
+    arrival_s: float  # turn 0: absolute; later: think time after the last
+    new_tokens: tuple[int, ...]
+    output_tokens: int
+
+
+@dataclass(frozen=True)
 class SimRecord:
     """One simulated turn; queue_s + tier_s + compute_s == ttft_s (within float rounding)."""
 

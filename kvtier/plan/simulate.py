@@ -63,10 +63,10 @@ from kvtier.plan.analysis import (
 from kvtier.plan.hardware import GIB, Hardware
 from kvtier.plan.models import ModelShape
 from kvtier.plan.session_lru import SessionLru
-from kvtier.plan.simrecords import SimRecord, SimResult, TurnRequest, summarize
+from kvtier.plan.simrecords import SimRecord, SimResult, SimTurn, TurnRequest, summarize
 from kvtier.tier import Ahead, LoadPolicy, Residency
 
-__all__ = ["SimConfig", "SimRecord", "SimResult", "TurnRequest", "simulate"]
+__all__ = ["SimConfig", "SimRecord", "SimResult", "SimTurn", "TurnRequest", "simulate"]
 
 MODES = ("auto", "swap", "recompute")
 

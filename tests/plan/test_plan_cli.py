@@ -4,7 +4,6 @@ import argparse
 import json
 import sys
 import types
-from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.plan.cli import add_plan_args, parse_contexts, run_plan
+from kvtier.plan.simulate import SimTurn
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -56,14 +56,6 @@ def test_errors_name_the_bad_value_and_the_choices() -> None:
     assert parse_contexts("1000, 8_000") == [1000, 8000]
 
 
-@dataclass(frozen=True)
-class Turn:
-    session_id: int
-    turn: int
-    arrival_s: float
-    new_tokens: tuple[int, ...]
-    output_tokens: int
-
 
 def test_trace_prints_simulated_ttft_per_class(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -89,9 +81,9 @@ def fake_loader(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     """Stand in for kvtier.bench.trace: 3 sessions x 2 turns 60 s apart; notes its call."""
     seen: dict[str, object] = {}
 
-    def load_trace(path: str, vocab_size: int, fmt: str = "auto", **kw: object) -> list[Turn]:
+    def load_trace(path: str, vocab_size: int, fmt: str = "auto", **kw: object) -> list[SimTurn]:
         seen["args"], seen["kw"] = (path, vocab_size, fmt), kw
-        return [Turn(s, k, float(s) if k == 0 else 60.0, (1,) * 2000, 50)
+        return [SimTurn(s, k, float(s) if k == 0 else 60.0, (1,) * 2000, 50)
                 for s in range(3) for k in range(2)]
 
     fake = types.ModuleType("kvtier.bench.trace")

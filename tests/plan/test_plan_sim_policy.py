@@ -1,7 +1,6 @@
 """The simulator decides as the engine does (`load_policy` over what queues ahead) and runs
 under the engine's knobs: `max_load_gbps`, `max_num_seqs` and a closed loop of clients."""
 
-from dataclasses import dataclass
 from itertools import pairwise
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.plan.hardware import HARDWARE
 from kvtier.plan.models import MODELS
-from kvtier.plan.simulate import SimConfig, SimResult, simulate
+from kvtier.plan.simulate import SimConfig, SimResult, SimTurn, simulate
 from kvtier.tier import Decline, LoadPolicy
 
 MODEL = MODELS["llama-3.1-8b"]
@@ -17,21 +16,13 @@ H100 = HARDWARE["h100-sxm"]
 CAP = 5.0  # GB/s: an 8000-token session (1.05 GB) restores in ~0.2 s, its recompute ~0.3 s
 
 
-@dataclass(frozen=True)
-class Turn:
-    session_id: str
-    turn: int
-    arrival_s: float
-    new_tokens: tuple[int, ...]
-    output_tokens: int
-
 
 def burst(policy: str, cap: float | None = CAP) -> SimResult:
     """Sessions s0-s7 (8000 tokens) idle long enough to be demoted to host, then all wake at
     t=200 s; s8 wakes alone at t=400 s, once the burst has drained."""
-    first = [Turn(f"s{i}", 0, 0.5 * i, (1,) * 8000, 1) for i in range(9)]
+    first = [SimTurn(f"s{i}", 0, 0.5 * i, (1,) * 8000, 1) for i in range(9)]
     ends = {r.session_id: r.finish_s for r in simulate(first, MODEL, H100).records}
-    wakes = [Turn(f"s{i}", 1, (400.0 if i == 8 else 200.0) - ends[f"s{i}"], (1,) * 200, 1)
+    wakes = [SimTurn(f"s{i}", 1, (400.0 if i == 8 else 200.0) - ends[f"s{i}"], (1,) * 200, 1)
              for i in range(9)]
     return simulate(first + wakes, MODEL, H100, config=SimConfig(
         idle_offload_s=5.0, load_policy=LoadPolicy.parse(policy), max_load_gbps=cap))
@@ -76,7 +67,7 @@ def test_without_the_cap_the_link_carries_the_whole_burst_and_auto_restores_it_a
 
 
 def test_max_load_gbps_paces_a_restore_and_a_cap_above_the_link_changes_nothing() -> None:
-    lone = [Turn("a", 0, 0.0, (1,) * 8000, 1), Turn("a", 1, 60.0, (1,) * 200, 1)]
+    lone = [SimTurn("a", 0, 0.0, (1,) * 8000, 1), SimTurn("a", 1, 60.0, (1,) * 200, 1)]
 
     def tier_s(cap: float | None) -> float:
         sim = simulate(lone, MODEL, H100, config=SimConfig(idle_offload_s=5.0,
@@ -95,8 +86,8 @@ def test_max_load_gbps_paces_a_restore_and_a_cap_above_the_link_changes_nothing(
 def test_a_restore_into_room_made_by_an_eviction_waits_for_its_store() -> None:
     # the device holds one session: waking b evicts a, and b's bytes land in a's room
     # only once a's store to host is out (the link is full duplex: that is all it waits for)
-    turns = [Turn("a", 0, 0.0, (1,) * 8000, 1), Turn("b", 0, 5.0, (1,) * 8000, 1),
-             Turn("a", 1, 60.0, (1,) * 200, 1)]
+    turns = [SimTurn("a", 0, 0.0, (1,) * 8000, 1), SimTurn("b", 0, 5.0, (1,) * 8000, 1),
+             SimTurn("a", 1, 60.0, (1,) * 200, 1)]
     sim = simulate(turns, MODEL, H100, config=SimConfig(device_sessions=1))
     (wake,) = (r for r in sim.records if r.turn == 1)
     assert wake.residency == "host"
@@ -107,7 +98,7 @@ def test_a_restore_into_room_made_by_an_eviction_waits_for_its_store() -> None:
 def test_clients_close_the_loop() -> None:
     # six one-turn sessions due at t=0 and two clients: never more than two sent and
     # unfinished, and a held-back turn's TTFT counts from when a client sent it
-    turns = [Turn(f"s{i}", 0, 0.0, (1,) * 1000, 50) for i in range(6)]
+    turns = [SimTurn(f"s{i}", 0, 0.0, (1,) * 1000, 50) for i in range(6)]
     sim = simulate(turns, MODEL, H100, config=SimConfig(clients=2))
     assert len(sim.records) == 6
     for r in sim.records:
@@ -121,7 +112,7 @@ def test_clients_close_the_loop() -> None:
 
 
 def test_max_num_seqs_bounds_the_turns_running_at_once() -> None:
-    turns = [Turn(f"s{i}", 0, 0.0, (1,) * 1000, 50) for i in range(3)]
+    turns = [SimTurn(f"s{i}", 0, 0.0, (1,) * 1000, 50) for i in range(3)]
     sim = simulate(turns, MODEL, H100, config=SimConfig(max_num_seqs=1))
     spans = sorted((r.arrival_s + r.queue_s, r.finish_s) for r in sim.records)
     assert all(later[0] >= earlier[1] - 1e-9 for earlier, later in pairwise(spans))
@@ -144,9 +135,10 @@ def test_a_woken_turn_keeps_its_place_and_chunked_prefill_lets_it_in_early() -> 
     # b wakes from host (its 1 GB restore ~0.2 s at the cap); a 16000-token prompt arrives
     # just after it and computes meanwhile. Chunked at 2048 tokens, b (admitted first) takes
     # the step after its bytes land; unchunked, it waits for a's whole prefill
-    b0 = simulate([Turn("b", 0, 0.0, (1,) * 8000, 1)], MODEL, H100).records[0]
-    turns = [Turn("b", 0, 0.0, (1,) * 8000, 1), Turn("b", 1, 60.0 - b0.finish_s, (1,) * 200, 1),
-             Turn("a", 0, 60.001, (1,) * 16000, 1)]
+    b0 = simulate([SimTurn("b", 0, 0.0, (1,) * 8000, 1)], MODEL, H100).records[0]
+    turns = [SimTurn("b", 0, 0.0, (1,) * 8000, 1),
+             SimTurn("b", 1, 60.0 - b0.finish_s, (1,) * 200, 1),
+             SimTurn("a", 0, 60.001, (1,) * 16000, 1)]
 
     def woken(budget: int | None) -> tuple[float, float]:
         sim = simulate(turns, MODEL, H100, config=SimConfig(

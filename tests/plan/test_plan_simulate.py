@@ -1,7 +1,6 @@
 """The discrete-event replay: idle gaps demote sessions, a busy link delays wakes, and every
 TTFT splits into queue + tier + compute."""
 
-from dataclasses import dataclass
 
 import pytest
 
@@ -9,27 +8,19 @@ from kvtier.errors import ConfigError
 from kvtier.plan.analysis import HOST_USABLE_FRACTION, planner_for
 from kvtier.plan.hardware import GIB, HARDWARE, Hardware
 from kvtier.plan.models import MODELS
-from kvtier.plan.simulate import SimConfig, simulate
+from kvtier.plan.simulate import SimConfig, SimTurn, simulate
 from kvtier.stats import percentile
 
 MODEL = MODELS["llama-3.1-8b"]
 H100 = HARDWARE["h100-sxm"]
 
 
-@dataclass(frozen=True)
-class Turn:
-    session_id: str
-    turn: int
-    arrival_s: float
-    new_tokens: tuple[int, ...]
-    output_tokens: int
-
 
 def trace(think_s: list[float] | float, sessions: int = 4, turns: int = 3,
-          start_gap_s: float = 1.0, prompt: int = 4000) -> list[Turn]:
+          start_gap_s: float = 1.0, prompt: int = 4000) -> list[SimTurn]:
     """Session i starts at i * start_gap_s with `prompt` tokens, then 200-token follow-ups."""
     thinks = think_s if isinstance(think_s, list) else [think_s] * sessions
-    return [Turn(f"s{i}", k, i * start_gap_s if k == 0 else thinks[i],
+    return [SimTurn(f"s{i}", k, i * start_gap_s if k == 0 else thinks[i],
                  (1,) * (prompt if k == 0 else 200), 100)
             for i in range(sessions) for k in range(turns)]
 
@@ -51,7 +42,7 @@ def test_simultaneous_wakes_raise_host_ttft() -> None:
     # 32k-token sessions (4.3 GB, ~86 ms on the link); find when each first turn ends, then
     # wake all of them at the same instant (contended) or 10 s apart (spread); with room for
     # one session on the device, the contended wakes wait for it (queue) and for the link
-    def sessions(think: list[float] | float, turns: int) -> list[Turn]:
+    def sessions(think: list[float] | float, turns: int) -> list[SimTurn]:
         return trace(think, sessions=6, turns=turns, start_gap_s=5.0, prompt=32000)
 
     base = simulate(sessions(0.0, 1), MODEL, H100)
@@ -147,7 +138,7 @@ def test_split_sums_to_ttft_for_every_class(shared: bool) -> None:
 def test_a_host_restores_tier_part_is_its_transfer_and_grows_with_context() -> None:
     # two sessions far apart, demoted long before they wake, so the link is idle then: the
     # tier part is transfer + wake overhead, proportional to the bytes
-    turns = [Turn(f"s{i}", k, 30.0 * i if k == 0 else 60.0, (1,) * (n if k == 0 else 200), 100)
+    turns = [SimTurn(f"s{i}", k, 30.0 * i if k == 0 else 60.0, (1,) * (n if k == 0 else 200), 100)
              for i, n in enumerate((4000, 32000)) for k in range(2)]
     sim = simulate(turns, MODEL, H100, config=SimConfig(idle_offload_s=5.0))
     host = {r.session_id: r for r in sim.records if r.residency == "host"}
@@ -164,7 +155,7 @@ def test_shared_mode_a_turn_arriving_during_a_step_queues_for_it() -> None:
     # a 4000-token prefill's step is running when a 200-token session arrives: it waits
     # (queue) for that step to end, then computes in the next one
     cpu = H100.with_overrides(shared_compute=True)
-    turns = [Turn("long", 0, 0.0, (1,) * 4000, 1), Turn("short", 0, 0.001, (1,) * 200, 1)]
+    turns = [SimTurn("long", 0, 0.0, (1,) * 4000, 1), SimTurn("short", 0, 0.001, (1,) * 200, 1)]
     sim = simulate(turns, MODEL, cpu)
     rec = {r.session_id: r for r in sim.records}
     assert rec["long"].queue_s == 0
