@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tier_on = config.offload.kv_offloading_size > 0
     offload, policy = config.offload, config.policy
     sim = simulate(trace.requests, model, machine, kv_dtype, SimConfig(
-        device_sessions=args.device_sessions, preemption_mode=policy.preemption_mode.value,
+        device_sessions=args.device_sessions, preemption_mode=policy.preemption_mode,
         idle_offload_s=policy.idle_offload_s if tier_on else 0.0,
         load_policy=LoadPolicy.parse(offload.load_policy),
         max_load_gbps=offload.max_load_gbps if tier_on else None,

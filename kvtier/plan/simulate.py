@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.config import PreemptionMode
 from kvtier.errors import ConfigError
 from kvtier.plan.analysis import (
     HOST_USABLE_FRACTION,
@@ -68,7 +69,6 @@ from kvtier.tier import Ahead, LoadPolicy, Residency
 
 __all__ = ["SimConfig", "SimRecord", "SimResult", "SimTurn", "TurnRequest", "simulate"]
 
-MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class SimConfig:
     """The serving knobs a simulation runs under, named as the engine's and vLLM's."""
 
     device_sessions: int | None = None  # the device pool holds N sessions (None: HBM bytes)
-    preemption_mode: str = "auto"  # swap | recompute force every wake's side; auto: policy
+    # swap | recompute force every wake's side; auto: load_policy decides
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
     idle_offload_s: float = 0.0  # demote sessions idle this long (0: only under pressure)
     load_policy: LoadPolicy = field(default_factory=LoadPolicy)  # restore or recompute a
     # session found on host: the engine's own rule
@@ -86,11 +87,16 @@ class SimConfig:
     max_num_batched_tokens: int | None = None
     clients: int | None = None  # closed loop: turns sent and unfinished (None: open loop)
 
+    def __post_init__(self) -> None:
+        """A mode given as the user's string becomes the enum here, once."""
+        try:
+            object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        except ValueError:
+            raise ConfigError(f"preemption_mode={self.preemption_mode!r}; choose "
+                              "auto, swap or recompute") from None
+
     def check(self) -> None:
         """ConfigError naming the knob and the value."""
-        if self.preemption_mode not in MODES:
-            raise ConfigError(f"preemption_mode={self.preemption_mode!r}; choose "
-                              "auto, swap or recompute")
         if not isinstance(self.load_policy, LoadPolicy):
             raise ConfigError(f"load_policy={self.load_policy!r}: parse it first "
                               "(LoadPolicy.parse)")
@@ -213,8 +219,8 @@ class _Sim:
         """The engine's verdict on a session found on host: restore (True) or recompute,
         a declined restore counted by its reason."""
         mode = self.config.preemption_mode
-        if mode != "auto":
-            return mode == "swap"
+        if mode is not PreemptionMode.AUTO:
+            return mode is PreemptionMode.SWAP
         _, reason = self.config.load_policy.decide(self.planner, context, nbytes,
                                                    self.ahead(t))
         if reason is not None:
