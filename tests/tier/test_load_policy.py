@@ -8,7 +8,7 @@ from kvtier.errors import ConfigError
 from kvtier.tier import TierConfig
 from kvtier.tier.books.manager import FETCHING
 from kvtier.tier.keys import Medium
-from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy, LoadRule
+from kvtier.tier.load_policy import GPU_SHARE_CHARGE, Ahead, Decline, LoadPolicy, LoadRule
 from kvtier.tier.planner import Calibration, Planner
 
 FAST_CAL = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
@@ -85,10 +85,11 @@ def test_the_policy_decides_fetches_below_host_too() -> None:
 
 
 def test_the_planner_charges_loads_already_in_flight_to_the_next_restore() -> None:
-    # a link of 120 KB/s, prefill 200 tokens/s: 2 blocks restore in 17 ms against 40 ms of
-    # recompute -> restored alone; behind a 4-block load still in flight (33 ms ahead) the
-    # same restore would end at 50 ms -> recomputed; once that load landed, restored again
-    link = Calibration(link_gbps=1.2e-4, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
+    # a link of 80 KB/s, prefill 200 tokens/s: 2 blocks restore in 25 ms against 40 ms of
+    # recompute (charged 60 ms) -> restored alone; behind a 4-block load still in flight
+    # (50 ms ahead) the same restore would end at 75 ms -> recomputed; once that load
+    # landed, restored again
+    link = Calibration(link_gbps=8e-5, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
     m = stored("auto", link)
     m.store([5, 6, 7, 8], KEYS[4:8], CHUNKS[4:8])
     run(m)
@@ -97,33 +98,34 @@ def test_the_planner_charges_loads_already_in_flight_to_the_next_restore() -> No
     m.allocated("a", a, [11, 12, 13, 14])
     behind = m.match("b", KEYS[4:6], CHUNKS[4:6])
     assert behind.load_keys == () and behind.declined_by == ((Decline.INFLIGHT, 2 * BS),)
-    assert behind.decision.restore_s == pytest.approx(0.05)
-    assert behind.decision.recompute_s == pytest.approx(0.04)
+    assert behind.decision.restore_s == pytest.approx(0.075)
+    assert behind.decision.recompute_s == pytest.approx(0.04)  # the prediction, uncharged
     run(m)  # a's load lands
     assert m.match("c", KEYS[4:6], CHUNKS[4:6]).load_keys == tuple(KEYS[4:6])
 
 
 def test_a_fetch_is_charged_the_fetches_queued_ahead_on_its_tier() -> None:
-    # disk at 100 KB/s, prefill 100 tokens/s: a 1-block fetch (10 ms + the link) beats 40 ms
-    # of recompute alone, not behind a 4-block fetch from the same disk (40 ms ahead)
+    # disk at 60 KB/s, prefill 100 tokens/s: a 1-block fetch (17 ms + the link) beats 40 ms
+    # of recompute (charged 60 ms) alone, not behind a 4-block fetch from the same disk
+    # (67 ms ahead)
     m = manager(below=True, slots=8,
                 calibration=Calibration(link_gbps=10.0, transfer_overhead_s=0.0,
                                         prefill_tokens_per_s=100.0))
-    m.planner.calibration.tier_gbps["disk"] = 1e-4
+    m.planner.calibration.tier_gbps["disk"] = 6e-5
     m.store([1, 2, 3, 4, 5], KEYS[:5], CHUNKS[:5])
     run(m)
     run(m)  # the writes down land
     m.host.remove(KEYS[:5])
-    assert m.match("a", KEYS[:4], CHUNKS[:4]) is FETCHING  # 40 ms of disk vs 160 ms
+    assert m.match("a", KEYS[:4], CHUNKS[:4]) is FETCHING  # 67 ms of disk vs 160 ms
     decided = m.match("b", KEYS[4:5], CHUNKS[4:5])
     assert decided is not FETCHING and decided.declined_by == ((Decline.QUEUE, BS),)
 
 
 def test_prefill_waiting_for_compute_makes_a_slower_link_worth_its_wait() -> None:
-    # a link of 40 KB/s, prefill 200 tokens/s: one block restores in 25 ms against 20 ms of
-    # recompute -> declined as slower; with 4 prompt tokens admitted before it and not yet
-    # computed (20 ms), the recompute has the prefix only at 40 ms -> restored
-    link = Calibration(link_gbps=4e-5, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
+    # a link of 30 KB/s, prefill 200 tokens/s: one block restores in 33 ms against 20 ms of
+    # recompute (charged 30 ms) -> declined as slower; with 4 prompt tokens admitted before
+    # it and not yet computed (20 ms), the recompute has the prefix only at 40 ms -> restored
+    link = Calibration(link_gbps=3e-5, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
     m = stored("auto", link)
     alone = m.match("a", KEYS[:1], CHUNKS[:1])
     assert alone.declined_by == ((Decline.SLOWER, BS),)
@@ -133,10 +135,11 @@ def test_prefill_waiting_for_compute_makes_a_slower_link_worth_its_wait() -> Non
 
 
 def test_the_loads_in_flight_are_bounded_by_what_the_link_finishes_within_the_horizon() -> None:
-    # 9.9 ms a load (its overhead), one block recomputes in 40 ms: the link finishes 4 such
-    # loads within that horizon, so with 3 in flight a fourth is taken and a fifth declined,
-    # though each alone (10 ms + the bytes) beats its recompute; once one lands, taken again
-    cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0099, prefill_tokens_per_s=100.0)
+    # 14.9 ms a load (its overhead), one block recomputes in 40 ms, charged 60 ms: the link
+    # finishes 4 such loads within that horizon, so with 3 in flight a fourth is taken and a
+    # fifth declined, though each alone (15 ms + the bytes) beats its recompute; once one
+    # lands, taken again
+    cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0149, prefill_tokens_per_s=100.0)
     m = stored("auto", cal, slots=8)
     for i in range(4):
         got = m.match(f"r{i}", KEYS[i:i + 1], CHUNKS[i:i + 1])
@@ -152,13 +155,28 @@ def test_the_loads_in_flight_are_bounded_by_what_the_link_finishes_within_the_ho
 
 def test_the_bound_counts_bytes_as_well_as_loads() -> None:
     # 100 bytes a millisecond, prefill 100 tokens/s: a 4-token block (1000 bytes) is 10 ms of
-    # link against 40 ms of recompute; 2999 bytes ahead let it land in time, 3000 do not
+    # link against 40 ms of recompute, charged 60 ms; 4999 bytes ahead let it land in time,
+    # 5000 do not
     planner = Planner(Calibration(link_gbps=1e-4, transfer_overhead_s=0.0,
                                   prefill_tokens_per_s=100.0))
     policy = LoadPolicy()
-    _, fits = policy.decide(planner, 4, 1000, Ahead(loads=1, link_bytes=2999))
-    _, over = policy.decide(planner, 4, 1000, Ahead(loads=1, link_bytes=3000))
+    _, fits = policy.decide(planner, 4, 1000, Ahead(loads=1, link_bytes=4999))
+    _, over = policy.decide(planner, 4, 1000, Ahead(loads=1, link_bytes=5000))
     assert fits is None and over is Decline.INFLIGHT
+
+
+def test_auto_charges_a_recompute_for_the_compute_every_other_request_loses_to_it() -> None:
+    # prefill 100 tokens/s: 4 tokens recompute in 40 ms, charged half again (60 ms), since a
+    # restore spends only the link; at 100 KB/s a 50 ms restore is taken though it is slower
+    # than the recompute alone, a 60 ms one is declined as slower
+    planner = Planner(Calibration(link_gbps=1e-4, transfer_overhead_s=0.0,
+                                  prefill_tokens_per_s=100.0))
+    assert GPU_SHARE_CHARGE == 0.5
+    taken, why = LoadPolicy().decide(planner, 4, 5000)
+    assert why is None and taken.choice == "restore"
+    assert taken.restore_s == pytest.approx(0.05) and taken.recompute_s == pytest.approx(0.04)
+    declined, why = LoadPolicy().decide(planner, 4, 6000)
+    assert why is Decline.SLOWER and declined.choice == "recompute"
 
 
 @pytest.mark.parametrize(("policy", "reason"), [
