@@ -3,10 +3,11 @@ hold it against (`load_policy`, parsed once from the user's string).
 
     auto                      the planner: restore when kv_bytes / rate, after what is
                               queued ahead on the same path, beats the prefill after
-                              the prefill tokens admitted before it, that prefill
-                              charged half again for the compute every other request
-                              loses to it (GPU_SHARE_CHARGE); loads in flight are
-                              bounded by what the link finishes in that time
+                              the prefill tokens admitted before it; a restore that
+                              beats its recompute alone is charged against that
+                              prefill plus half again for the compute every other
+                              request loses to it (GPU_SHARE_CHARGE); loads in flight
+                              are bounded by what the link finishes in that time
     always                    restore whatever was found (the "always load" baseline)
     never                     recompute everything (the tier stores, nothing is loaded)
     threshold:TOKENS:INFLIGHT restore a prefix of at least TOKENS tokens while fewer than
@@ -24,11 +25,13 @@ from kvtier.errors import ConfigError
 from kvtier.tier.planner import Decision, Planner
 
 # What `auto` charges a recompute for the compute it takes from every request sharing the
-# steps (a restore spends only the link), as a fraction of its own prefill time. 0 minimises
-# each request's own wait; kvtier's simulator over the GPU presets (benchmarks/
-# simulated_regimes.py, 96 cells) puts auto within 5% of the best fixed policy on wake mean,
-# p99 and tokens/s in 57 cells at 0, 74 at 0.5 (the plateau runs 0.5-0.75), worst p99 1.45x
-# -> 1.35x, worst mean 1.21x -> 1.04x, worst tokens/s 0.83x -> 0.85x.
+# steps (a restore spends only the link), as a fraction of its own prefill time, when the
+# restore is the faster path alone (one slower alone is never bought with others' compute:
+# the tier stays no slower than recomputing at light load). 0 minimises each request's own
+# wait; kvtier's simulator over the GPU presets (benchmarks/simulated_regimes.py, the 78
+# cells whose sessions fit) puts auto within 5% of the best fixed policy on wake mean, p99
+# and tokens/s in 39 cells at 0 and 57 at 0.5 (58 at 0.75, 53 at 1); worst mean 1.21x ->
+# 1.04x, p99 1.45x -> 1.21x, tokens/s 0.83x -> 0.84x.
 GPU_SHARE_CHARGE = 0.5
 
 CHOICES = "auto | always | never | threshold:TOKENS:INFLIGHT (e.g. threshold:1024:8)"
@@ -111,7 +114,8 @@ class LoadPolicy:
         decision = replace(alone, restore_s=restore_s, recompute_s=horizon,
                            choice="restore" if restore_s < horizon else "recompute")
         if self.rule is LoadRule.AUTO:  # the prediction stays horizon; the verdict is charged
-            charged = horizon + GPU_SHARE_CHARGE * alone.recompute_s
+            charged = horizon + (GPU_SHARE_CHARGE * alone.recompute_s
+                                 if alone.restore_s < alone.recompute_s else 0.0)
             reason = (Decline.SLOWER if alone.restore_s >= charged else
                       Decline.INFLIGHT if not within_horizon(planner, alone.nbytes, after_link,
                                                              ahead.loads, charged)

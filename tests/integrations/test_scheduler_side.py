@@ -251,11 +251,11 @@ def test_after_a_reset_nothing_cached_before_is_restored_and_live_requests_store
 
 
 def test_a_lookup_sees_the_prefill_vllm_admitted_and_has_not_computed_yet() -> None:
-    # a link of 30 KB/s, prefill 200 tokens/s: blocks 1-2 restore in 67 ms against 40 ms of
-    # recompute, charged 60 ms -> declined ("slower", counted once b is admitted); while 8
-    # prompt tokens vLLM admitted are still to compute (40 ms ahead), the same lookup
-    # restores; once vLLM has computed them, it declines again
-    s = side(cal=Calibration(link_gbps=3e-5, transfer_overhead_s=0.0,
+    # a link of 40 KB/s, prefill 200 tokens/s: blocks 1-2 restore in 50 ms against 40 ms of
+    # recompute -> declined ("slower", counted once b is admitted); while 8 prompt tokens vLLM
+    # admitted are still to compute (40 ms ahead), the same lookup restores; once vLLM has
+    # computed them, it declines again
+    s = side(cal=Calibration(link_gbps=4e-5, transfer_overhead_s=0.0,
                              prefill_tokens_per_s=200.0))
     prompt = list(range(10, 24))
     serve(s, "a", prompt)

@@ -122,10 +122,10 @@ def test_a_fetch_is_charged_the_fetches_queued_ahead_on_its_tier() -> None:
 
 
 def test_prefill_waiting_for_compute_makes_a_slower_link_worth_its_wait() -> None:
-    # a link of 30 KB/s, prefill 200 tokens/s: one block restores in 33 ms against 20 ms of
-    # recompute (charged 30 ms) -> declined as slower; with 4 prompt tokens admitted before
-    # it and not yet computed (20 ms), the recompute has the prefix only at 40 ms -> restored
-    link = Calibration(link_gbps=3e-5, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
+    # a link of 40 KB/s, prefill 200 tokens/s: one block restores in 25 ms against 20 ms of
+    # recompute -> declined as slower; with 4 prompt tokens admitted before it and not yet
+    # computed (20 ms), the recompute has the prefix only at 40 ms -> restored
+    link = Calibration(link_gbps=4e-5, transfer_overhead_s=0.0, prefill_tokens_per_s=200.0)
     m = stored("auto", link)
     alone = m.match("a", KEYS[:1], CHUNKS[:1])
     assert alone.declined_by == ((Decline.SLOWER, BS),)
@@ -166,17 +166,26 @@ def test_the_bound_counts_bytes_as_well_as_loads() -> None:
 
 
 def test_auto_charges_a_recompute_for_the_compute_every_other_request_loses_to_it() -> None:
-    # prefill 100 tokens/s: 4 tokens recompute in 40 ms, charged half again (60 ms), since a
-    # restore spends only the link; at 100 KB/s a 50 ms restore is taken though it is slower
-    # than the recompute alone, a 60 ms one is declined as slower
+    # prefill 100 tokens/s: 4 tokens recompute in 40 ms; at 100 KB/s a 1000-byte block
+    # restores in 10 ms. Behind 4500 bytes of loads it lands at 55 ms, after the recompute
+    # would be ready, but within the recompute charged half again (60 ms) for the compute
+    # the others lose to it: restored
     planner = Planner(Calibration(link_gbps=1e-4, transfer_overhead_s=0.0,
                                   prefill_tokens_per_s=100.0))
     assert GPU_SHARE_CHARGE == 0.5
-    taken, why = LoadPolicy().decide(planner, 4, 5000)
+    taken, why = LoadPolicy().decide(planner, 4, 1000, Ahead(loads=1, link_bytes=4500))
     assert why is None and taken.choice == "restore"
-    assert taken.restore_s == pytest.approx(0.05) and taken.recompute_s == pytest.approx(0.04)
-    declined, why = LoadPolicy().decide(planner, 4, 6000)
-    assert why is Decline.SLOWER and declined.choice == "recompute"
+    assert taken.restore_s == pytest.approx(0.055)
+    assert taken.recompute_s == pytest.approx(0.04)  # the prediction scored, uncharged
+
+
+def test_a_restore_slower_than_its_recompute_alone_is_not_charged_others_compute() -> None:
+    # the same 40 ms recompute: a 5000-byte restore (50 ms) is within 60 ms, but alone it
+    # loses to the recompute, so it is declined as slower: never slower than recomputing
+    planner = Planner(Calibration(link_gbps=1e-4, transfer_overhead_s=0.0,
+                                  prefill_tokens_per_s=100.0))
+    decision, why = LoadPolicy().decide(planner, 4, 5000)
+    assert why is Decline.SLOWER and decision.choice == "recompute"
 
 
 @pytest.mark.parametrize(("policy", "reason"), [
