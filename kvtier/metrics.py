@@ -5,7 +5,9 @@ two objects never share a series. Primitives:
 
   observe_request(out)              a finished RequestOutput -> histograms and counters
   observe_error(code)               one request refused with an HTTP status (400, 404, 413 ...)
-  refresh(stats, running, waiting)  latest `stats.engine_stats(...)` snapshot -> gauges
+  refresh(stats, running, waiting, tier)  latest `stats.engine_stats(...)` snapshot and the
+                                    tier's report -> gauges and counters (the tier's: one
+                                    loop over `kvtier.tier.catalog`)
   render()                          (body, content type) for the HTTP response
 
 Per-request families are live `prometheus_client` objects. Engine-wide values are read
@@ -16,7 +18,7 @@ With the host tier off (`host_tier: None`) its families stay at 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -29,7 +31,16 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
-from kvtier.tier import Decline
+from kvtier.tier import (
+    ALWAYS_LABELLED,
+    CATALOG,
+    Family,
+    Kind,
+    Row,
+    TierStats,
+    counter_rows,
+    label_text,
+)
 
 if TYPE_CHECKING:
     from kvtier.output import RequestOutput
@@ -37,7 +48,6 @@ if TYPE_CHECKING:
 PREFIX = "kvtier_"
 FINISH_STATUSES = ("stop", "length", "abort", "error")
 DIRECTIONS = ("store", "load")
-DEEP_TIERS = ("disk", "remote")
 
 # 5 ms .. 60 s: a resident prefix hit sits at the bottom, a long recompute at the top.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
@@ -134,9 +144,11 @@ class Metrics:
         """Count one request the server refused with HTTP status `code`."""
         self.errors.labels(code=str(int(code))).inc()
 
-    def refresh(self, stats: Mapping[str, Any], running: int = 0, waiting: int = 0) -> None:
-        """Keep `engine_stats(...)`'s snapshot (and the queue lengths) for the next scrape."""
-        self._engine.update(stats, running, waiting)
+    def refresh(self, stats: Mapping[str, Any], running: int = 0, waiting: int = 0,
+                tier: TierStats | None = None) -> None:
+        """Keep `engine_stats(...)`'s snapshot, the queue lengths and the tier's report (None:
+        no tier) for the next scrape."""
+        self._engine.update(stats, running, waiting, tier)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""
@@ -160,75 +172,24 @@ def _family(kind: type, name: str, doc: str, label: str, values: Mapping[str, fl
     return family
 
 
-def _deep_families(deep: Mapping[str, Any]) -> Iterator[Metric]:
-    """Every store below host (disk and remote always, 0 where they are off; a plug-in store
-    where it runs): traffic, and every block that failed verification or I/O, by tier and
-    reason (each one a miss, never served)."""
-    tiers = sorted(set(DEEP_TIERS).union(*(deep.get(key) or {} for key in (
-        "written_blocks", "write_failures", "fetched_blocks"))))
-    for name, doc, key in (
-        ("tier_blocks_written", "Blocks written down from host to a deeper tier.",
-         "written_blocks"),
-        ("tier_write_failures", "Blocks whose write to a deeper tier failed.",
-         "write_failures"),
-        ("tier_blocks_fetched", "Blocks fetched up to host from a deeper tier, verified.",
-         "fetched_blocks"),
-        ("tier_blocks_renewed", "Blocks a deeper tier that expires them (a TTL) was told to "
-         "keep longer: a retention granted after their write.", "renewed_blocks"),
-        ("tier_renew_failures", "Blocks a deeper tier could not be told to keep longer "
-         "(unreachable): their TTL may end before the retention.", "renew_failures"),
-    ):
-        counts = deep.get(key) or {}
-        yield _family(CounterMetricFamily, name, doc, "tier",
-                      {t: _num(counts, t) for t in tiers})
-    for name, doc, key in (
-        ("tier_misses", "Blocks below host refused (bad checksum, tokens or fingerprint, I/O "
-         "error, unreachable store, a fetch's deadline passed) and recomputed, by tier and "
-         "reason.", "misses"),
-        ("tier_write_failures_by_reason", "Blocks whose write to a deeper tier failed, by tier "
-         "and reason (timeout, unavailable, io, no-space, ...).", "write_failure_reasons"),
-    ):
-        family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["tier", "reason"])
-        for label, count in (deep.get(key) or {}).items():  # "tier:reason"
-            tier, _, reason = label.partition(":")
-            family.add_metric([tier, reason], float(count))
-        yield family
-    disk = deep.get("disk") or {}
-    yield _family(GaugeMetricFamily, "disk_slots", "Disk tier slots by state.", "state",
-                  {"used": _num(disk, "used_slots"), "capacity": _num(disk, "capacity_slots")})
-
-
-def _tenant_families(tenants: Mapping[str, Any]) -> Iterator[Metric]:
-    """Per tenant (labels bounded by `kv_tenant_labels`, the rest as "other"): what it holds
-    and retains in each tier, what it lost to eviction, its hits, its retention answers."""
-    held = GaugeMetricFamily(f"{PREFIX}tenant_bytes", "Bytes a tenant's blocks take in a "
-                             "tier, held (all) or retained (pinned until a deadline).",
-                             labels=["tenant", "tier", "kind"])
-    evicted = CounterMetricFamily(f"{PREFIX}tenant_evicted_blocks", "A tenant's blocks "
-                                  "evicted from a tier to make room.", labels=["tenant", "tier"])
-    hits = CounterMetricFamily(f"{PREFIX}tenant_hit_blocks", "A tenant's blocks loaded from "
-                               "host for its requests.", labels=["tenant"])
-    asked = CounterMetricFamily(f"{PREFIX}tenant_retention", "Retention requests by answer: "
-                                "granted, or refused by reason (quota, over_max, ...).",
-                                labels=["tenant", "answer"])
-    prefetch = CounterMetricFamily(f"{PREFIX}tenant_prefetch_blocks", "Blocks a tenant's "
-                                   "prefetches brought up into host (fetched), or left below "
-                                   "for its prefetch budget (limited).",
-                                   labels=["tenant", "answer"])
-    for tenant, row in tenants.items():
-        for kind in ("held", "retained"):
-            for tier, n in (row.get(f"{kind}_bytes") or {}).items():
-                held.add_metric([tenant, tier, kind], float(n))
-        for tier, n in (row.get("evicted_blocks") or {}).items():
-            evicted.add_metric([tenant, tier], float(n))
-        hits.add_metric([tenant], float(row.get("hit_blocks") or 0))
-        asked.add_metric([tenant, "granted"], float(row.get("retention_granted") or 0))
-        for reason, n in (row.get("retention_refused") or {}).items():
-            asked.add_metric([tenant, reason], float(n))
-        prefetch.add_metric([tenant, "fetched"], float(row.get("prefetched_blocks") or 0))
-        prefetch.add_metric([tenant, "limited"],
-                            float(row.get("prefetch_limited_blocks") or 0))
-    yield from (held, evicted, hits, asked, prefetch)
+def _catalog_families(tier_rows: Iterable[Row]) -> Iterator[Metric]:
+    """Every family of the catalog kvtier serve exports, one loop: a sample per row (and at 0
+    for the label values a family always carries), summed where rows share label values."""
+    values: dict[Family, dict[tuple[str, ...], float]] = {
+        family: {tuple(label_text(v) for v in always): 0.0
+                 for always in ALWAYS_LABELLED.get(family, ())}
+        for family in CATALOG if family.serve is not None}
+    for row in tier_rows:
+        samples = values.get(row.family)
+        if samples is not None:
+            samples[row.texts] = samples.get(row.texts, 0.0) + float(row.value)
+    for family, samples in values.items():
+        kind = CounterMetricFamily if family.kind is Kind.COUNTER else GaugeMetricFamily
+        metric = kind(f"{PREFIX}{family.serve}", family.doc,
+                      labels=[label.value for label in family.labels])
+        for texts, number in samples.items():
+            metric.add_metric(list(texts), number)
+        yield metric
 
 
 class EngineCollector:
@@ -236,20 +197,24 @@ class EngineCollector:
 
     def __init__(self) -> None:
         self._stats: Mapping[str, Any] = {}
+        self._rows: tuple[Row, ...] = ()
         self._running = 0
         self._waiting = 0
 
-    def update(self, stats: Mapping[str, Any], running: int, waiting: int) -> None:
+    def update(self, stats: Mapping[str, Any], running: int, waiting: int,
+               tier: TierStats | None) -> None:
         self._stats, self._running, self._waiting = stats, running, waiting
+        self._rows = tuple(counter_rows(tier)) if tier is not None else ()
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._families({}, 0, 0)
+        yield from self._families({}, (), 0, 0)
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families(self._stats, self._running, self._waiting)
+        yield from self._families(self._stats, self._rows, self._running, self._waiting)
 
     @staticmethod
-    def _families(s: Mapping[str, Any], running: int, waiting: int) -> Iterator[Metric]:
+    def _families(s: Mapping[str, Any], tier_rows: tuple[Row, ...], running: int,
+                  waiting: int) -> Iterator[Metric]:
         tier: Mapping[str, Any] = s.get("host_tier") or {}  # None: the tier is off
         link: Mapping[str, Any] = tier.get("link") or {}
         dev, slots, mem = s.get("device_blocks"), tier.get("slots"), tier.get("memory")
@@ -272,11 +237,7 @@ class EngineCollector:
                       "Host tier transfers that failed (their tokens are recomputed).",
                       "direction", {"store": _num(tier, "failed_stores"),
                                     "load": _num(tier, "failed_loads")})
-        yield _family(CounterMetricFamily, "declined",
-                      "Requests that recomputed tokens found in the tier, by reason.", "reason",
-                      {r.value: _num(tier.get("declined"), r.value) for r in Decline})
-        yield from _deep_families(s.get("tiers_below_host") or {})
-        yield from _tenant_families(tier.get("tenants") or {})
+        yield from _catalog_families(tier_rows)
         yield GaugeMetricFamily(f"{PREFIX}requests_running", "Requests running now.",
                                 value=running)
         yield GaugeMetricFamily(f"{PREFIX}requests_waiting", "Requests waiting to be admitted.",

@@ -12,6 +12,9 @@ from prometheus_client.utils import floatToGoString
 
 from kvtier.metrics import Metrics
 from kvtier.output import RequestMetrics, RequestOutput
+from kvtier.tier import BelowReport, Medium, Reason, TierStats, TransferCounts
+from kvtier.tier.jobs import Miss
+from kvtier.tier.report import IndexStats
 
 GiB = 1 << 30
 
@@ -250,13 +253,29 @@ def test_two_metrics_objects_share_nothing() -> None:
     assert ("kvtier_request_errors_total", (("code", "404"),)) not in sb
 
 
+def tier_report(below: BelowReport | None = None, **declined: int) -> TierStats:
+    """A tier's report with `below` (None: no tier below host) and these declines."""
+    return TierStats(host=IndexStats(), transfers=TransferCounts(), calibration={},
+                     prediction_error={}, below=below, declined=declined)
+
+
+def below_report(**fields: Any) -> BelowReport:
+    empty: dict[str, Any] = {}
+    base: dict[str, Any] = dict(
+        written_blocks=empty, written_bytes=empty, write_failures=empty, fetched_blocks=empty,
+        fetched_bytes=empty, fetch_seconds=empty, misses=empty, refused=0, encoding="",
+        stores=empty, lookups_answered_absent=0)
+    return BelowReport(**{**base, **fields})
+
+
 def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
     m = Metrics()
-    deep = {"written_blocks": {"disk": 12, "remote": 4}, "write_failures": {"remote": 3},
-            "fetched_blocks": {"disk": 6}, "misses": {"disk:checksum": 1,
-                                                      "remote:unavailable": 2},
-            "disk": {"used_slots": 12, "capacity_slots": 100}}
-    m.refresh({**stats(HOST_TIER), "tiers_below_host": deep})
+    below = below_report(
+        written_blocks={"disk": 12, "remote": 4}, write_failures={"remote": 3},
+        fetched_blocks={"disk": 6},
+        misses={Miss(Medium.DISK, Reason.CHECKSUM): 1, Miss(Medium.REMOTE, Reason.UNAVAILABLE): 2},
+        stores={"disk": IndexStats(used=12, capacity=100)})
+    m.refresh(stats(HOST_TIER), tier=tier_report(below, slower=2))
     s = scrape(m)
     expected = {
         ("kvtier_tier_blocks_written_total", "disk"): 12,
@@ -271,6 +290,8 @@ def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
         assert value(s, "kvtier_tier_misses_total", tier=tier, reason=reason) == count
     assert {state: value(s, "kvtier_disk_slots", state=state) for state in ("used", "capacity")
             } == {"used": 12, "capacity": 100}
-    m.refresh(stats(HOST_TIER))  # no tier below host: traffic families read 0
+    assert value(s, "kvtier_declined_total", reason="slower") == 2
+    assert value(s, "kvtier_declined_total", reason="inflight") == 0  # every reason, at 0
+    m.refresh(stats(HOST_TIER), tier=tier_report())  # no tier below host: traffic reads 0
     s = scrape(m)
     assert value(s, "kvtier_tier_blocks_written_total", tier="disk") == 0

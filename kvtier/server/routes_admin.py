@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from kvtier.metrics import Metrics
 from kvtier.server.engine_loop import EngineLoop, RequestFailed
 from kvtier.stats import RequestLog, engine_stats
+from kvtier.tier import TierStats
 
 
 def admin_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
@@ -37,15 +38,17 @@ def admin_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        def snapshot() -> tuple[dict[str, Any], int, int]:
+        def snapshot() -> tuple[dict[str, Any], int, int, TierStats | None]:
             s = loop.engine.scheduler  # counters and gauges only: no history is scanned
-            return engine_stats(loop.engine, RequestLog()), len(s.running), len(s.waiting)
+            tier = loop.engine.tier
+            return (engine_stats(loop.engine, RequestLog()), len(s.running), len(s.waiting),
+                    tier.report() if tier.enabled else None)
 
         try:
-            stats, running, waiting = await asyncio.wrap_future(loop.call(snapshot))
+            stats, running, waiting, tier = await asyncio.wrap_future(loop.call(snapshot))
         except RequestFailed:  # the engine is gone: what the counters said last
-            stats, running, waiting = {}, 0, 0
-        metrics.refresh(stats, running=running, waiting=waiting)
+            stats, running, waiting, tier = {}, 0, 0, None
+        metrics.refresh(stats, running=running, waiting=waiting, tier=tier)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

@@ -9,6 +9,8 @@ The face, for any engine (kvtier's own, vLLM's through a KV connector):
                  finished / take_jobs / apply
   Tier.worker    TierWorker, bytes side: submit / poll / wait / wait_any / wait_layer / close
   TierStats      TierManager.report(): the scheduler side's counters, one frozen snapshot
+  CATALOG        every counter family kvtier exports (Family: doc, typed labels, its vLLM
+                 and kvtier serve names); counter_rows(TierStats) -> the report as Rows
   WorkerReport   TierWorker.report(): the link's traffic, host memory, the stores' state
   PageStore      the stores below host for an engine that owns its host memory (SGLang):
                  pages put from, and got into, rows the engine gives; verified
@@ -36,6 +38,27 @@ from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome,
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
 from kvtier.tier.books.returns import MAX_EXPECT_RETURN_S
 from kvtier.tier.books.tenancy import Grant, Refusal
+from kvtier.tier.catalog import (
+    ALWAYS_LABELLED,
+    BY_VLLM_KEY,
+    CACHE_RESETS,
+    CATALOG,
+    DECLINED_TOKENS,
+    HOOK_SECONDS,
+    LOOKUP_TOKENS,
+    LOSSY_RESTORED_TOKENS,
+    RESET_DROPPED_HOST_BLOCKS,
+    RESTORE_SECONDS,
+    RESTORED_BLOCKS,
+    RESTORED_TOKENS,
+    STEP_SECONDS,
+    Family,
+    Kind,
+    Label,
+    Row,
+    label_text,
+)
+from kvtier.tier.catalog import rows as counter_rows
 from kvtier.tier.config import (
     GIB,
     MAX_TENANT_CHARS,
@@ -77,13 +100,26 @@ if TYPE_CHECKING:
     from kvtier.tier.worker import TierWorker, WorkerReport
 
 __all__ = [
+    "ALWAYS_LABELLED",
+    "BY_VLLM_KEY",
+    "CACHE_RESETS",
+    "CATALOG",
+    "DECLINED_TOKENS",
     "FETCHING",
     "GIB",
+    "HOOK_SECONDS",
+    "LOOKUP_TOKENS",
+    "LOSSY_RESTORED_TOKENS",
     "MAX_EXPECT_RETURN_S",
     "MAX_TENANT_CHARS",
     "NO_FAULTS",
     "NO_MATCH",
+    "RESET_DROPPED_HOST_BLOCKS",
+    "RESTORED_BLOCKS",
+    "RESTORED_TOKENS",
+    "RESTORE_SECONDS",
     "SAFE_RAM_SHARE",
+    "STEP_SECONDS",
     "Ahead",
     "BelowReport",
     "BlockKey",
@@ -93,12 +129,15 @@ __all__ = [
     "Decision",
     "Decline",
     "Event",
+    "Family",
     "Faults",
     "FetchDone",
     "Fingerprint",
     "Grant",
     "Job",
     "KVLayout",
+    "Kind",
+    "Label",
     "LoadDone",
     "LoadPolicy",
     "LoadRule",
@@ -113,6 +152,7 @@ __all__ = [
     "Residency",
     "ResidencyChange",
     "Result",
+    "Row",
     "SchedulerTier",
     "StoreDone",
     "TenantCounts",
@@ -131,12 +171,14 @@ __all__ = [
     "check_bounds",
     "check_fits",
     "check_types",
+    "counter_rows",
     "declines",
     "hash_blocks",
     "heads_first_coded_shape",
     "host_slot_count",
     "host_slot_nbytes",
     "is_swap_key",
+    "label_text",
     "request_tenant",
     "swap_key",
     "tenant_rule",

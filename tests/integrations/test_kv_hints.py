@@ -18,6 +18,7 @@ from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import TierManager, job_ids
 from kvtier.tier.books.tenancy import Quotas, Tenancy
+from kvtier.tier.catalog import RETENTION_REFUSED, Label
 from kvtier.tier.planner import Planner
 
 PROMPT = list(range(10, 23))  # 13 tokens: 3 full blocks
@@ -53,8 +54,8 @@ def test_a_retention_asked_while_the_blocks_are_still_storing_is_granted() -> No
     tenants = s.manager.report().tenants
     assert tenants["victim"].retained["host"] == 3 and tenants["victim"].held["host"] == 3
     stats = s.take_stats()
-    assert stats["retention_granted|victim"] == 1
-    assert s.take_stats().get("retention_granted|victim") is None  # reported once
+    assert stats["retention_granted"] == {"victim": 1}
+    assert "retention_granted" not in s.take_stats()  # reported once
 
 
 @pytest.mark.parametrize("bad", [-5, 0, math.nan, math.inf, "60", True, None, [60]])
@@ -66,7 +67,7 @@ def test_a_bad_value_is_refused_invalid_and_nothing_is_retained(bad: object) -> 
                        "kvtier_expect_return_s": "refused:invalid"}
     assert s.manager.report().tenants["t"].retained == {}
     assert len(s.manager.returns) == 0
-    assert tier_counters(s.manager.report())["retention_refused|t|invalid"] == 1
+    assert tier_counters(s.manager.report())[RETENTION_REFUSED, ("t", "invalid")] == 1
 
 
 def test_refusals_come_from_the_tier_with_their_reason_and_are_counted() -> None:
@@ -78,9 +79,9 @@ def test_refusals_come_from_the_tier_with_their_reason_and_are_counted() -> None
     assert finish(s, "c", PROMPT[:3], "t", {"kvtier_retention_s": 60}) == {
         "kvtier_retention_s": "refused:not_stored"}  # no full block
     counters = tier_counters(s.manager.report())
-    assert counters["retention_refused|capped|quota"] == 1
-    assert counters["retention_refused|t|over_max"] == 1
-    assert counters["retention_refused|t|not_stored"] == 1
+    assert counters[RETENTION_REFUSED, ("capped", "quota")] == 1
+    assert counters[RETENTION_REFUSED, ("t", "over_max")] == 1
+    assert counters[RETENTION_REFUSED, ("t", "not_stored")] == 1
     assert finish(s, "d", [2, *PROMPT], "", None) == {}  # no asks: no answers
 
 
@@ -90,8 +91,9 @@ def test_no_tenant_counts_as_default_and_tenant_labels_are_bounded() -> None:
     finish(s, "a", PROMPT, "", None)
     finish(s, "b", [1, *PROMPT], "x|y", None)
     finish(s, "c", [2, *PROMPT], "z", None)
-    labels = {k.split("|")[1] for k in tier_counters(s.manager.report()) if "tenant_" in k}
-    assert len(s.manager.report().tenants) == 2 and labels <= {"default", "x_y", "z", "other"}
+    labels = {values[0] for family, values in tier_counters(s.manager.report())
+              if Label.TENANT in family.labels}
+    assert len(s.manager.report().tenants) == 2 and labels <= {"default", "x|y", "z", "other"}
 
 
 def test_an_expect_return_hint_is_watched_until_the_return_then_forgotten() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from disk_file import blocks_on_disk, flip_payload_byte
 
+from kvtier.integrations.kit.counters import flat
 from kvtier.integrations.vllm.scheduler_side import Scheduled, SchedulerSide
 from kvtier.integrations.vllm.worker_side import ExpectedLayout, WorkerSide
 from kvtier.tier import Calibration, Fingerprint, TierConfig, build_scheduler_side, host_slot_count
@@ -44,14 +45,14 @@ class Half:
         cal = Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
         self.tier = build_scheduler_side(config, BS, nbytes(dtype), cal, fp.namespace())
         self.side = SchedulerSide(self.tier.manager, BS, fp.namespace)
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float] = {}  # as vLLM's log line writes them
 
     def step(self, scheduled: list[Scheduled] | None = None) -> None:
         jobs = self.side.step(scheduled or [])
         self.worker.load(jobs)
         self.worker.save(jobs)
         self.side.apply(self.worker.take_results())
-        for key, value in self.side.take_stats().items():
+        for key, value in flat(self.side.take_stats()).items():
             self.stats[key] = self.stats.get(key, 0) + value
 
     def settle(self, timeout: float = 10.0) -> None:
@@ -98,7 +99,9 @@ def first_run(config: TierConfig) -> list[torch.Tensor]:
     a = Half(config)
     params = a.serve("a", PROMPT, [1, 2, 3, 4])
     assert params["kvtier_restored_tokens"] == 0
-    assert a.stats.get("written_blocks|disk", 0) + a.stats.get("written_blocks|remote", 0) >= 3
+    written = (a.stats.get("written_blocks{tier=disk}", 0)
+               + a.stats.get("written_blocks{tier=remote}", 0))
+    assert written >= 3
     blocks = [a.block(i) for i in (1, 2, 3)]
     a.close()
     return blocks
@@ -115,7 +118,7 @@ def test_a_restarted_process_restores_the_prefix_from_disk_exactly(tmp_path: Pat
         assert torch.equal(got, want)
     params = b.side.finished("b")
     assert params["kvtier_residency"] == "disk" and params["kvtier_restored_tokens"] == 12
-    assert b.stats["fetched_blocks|disk"] == 3 and b.stats["restored_tokens"] == 12
+    assert b.stats["fetched_blocks{tier=disk}"] == 3 and b.stats["restored_tokens"] == 12
     # where its wake's time went: every mark of a disk wake, in the order they happen
     marks = params["kvtier_timeline"]
     order = ["fetch_started", "fetch_began", "fetch_ended", "fetch_applied", "answered",
@@ -136,7 +139,7 @@ def test_a_flipped_byte_on_disk_ends_the_prefix_there_and_is_counted(tmp_path: P
     b.side.allocated("b", [[5, 6, 7, 8]], 4)
     b.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
     assert torch.equal(b.block(5), original[0])
-    assert b.stats["miss_blocks|disk|checksum"] == 1
+    assert b.stats["miss_blocks{tier=disk,reason=checksum}"] == 1
     assert b.side.finished("b")["kvtier_restored_tokens"] == 4
     b.settle()
     b.close()
@@ -163,7 +166,7 @@ def test_another_dtype_or_block_size_finds_nothing_on_disk(tmp_path: Path, chang
         assert tier.manager.below is not None and not tier.manager.below.busy
         tier.close()
         return
-    assert not b.side.busy and b.stats.get("fetched_blocks|disk", 0) == 0
+    assert not b.side.busy and b.stats.get("fetched_blocks{tier=disk}", 0) == 0
     b.close()
 
 
@@ -173,14 +176,14 @@ def test_two_processes_share_one_redis(tmp_path: Path, redis_server: Any) -> Non
     a = Half(config)
     b = Half(config, seed=1)  # both running at once, each with its own host pool
     assert a.serve("a", PROMPT, [1, 2, 3, 4])["kvtier_restored_tokens"] == 0
-    assert a.stats["written_blocks|remote"] == 3
+    assert a.stats["written_blocks{tier=remote}"] == 3
     assert b.matched("b", PROMPT) == 12  # presence asked, then fetched and verified
     b.side.allocated("b", [[5, 6, 7, 8]], 12)
     b.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
     for i, j in ((1, 5), (2, 6), (3, 7)):
         assert torch.equal(b.block(j), a.block(i))
     assert b.side.finished("b")["kvtier_residency"] == "remote"
-    assert b.stats["fetched_blocks|remote"] == 3
+    assert b.stats["fetched_blocks{tier=remote}"] == 3
     a.close()
     b.close()
 
@@ -205,7 +208,7 @@ def test_a_later_retention_reaches_the_ttl_of_blocks_already_in_redis(
     a.settle()
     with redis_server.client() as client:
         assert all(3_500_000 < client.pttl(n) <= 3_600_000 for n in names)
-    assert a.stats["renewed_blocks|remote"] == 3
+    assert a.stats["renewed_blocks{tier=remote}"] == 3
     a.close()
 
 
@@ -230,8 +233,8 @@ def test_blocks_of_another_fingerprint_on_disk_are_counted_at_start(tmp_path: Pa
     b = Half(config, seed=1, weights="other weights")
     assert b.matched("b", PROMPT) == 0
     b.step()
-    assert b.stats["miss_blocks|disk|fingerprint"] == 3
-    assert "fetched_blocks|disk" not in b.stats
+    assert b.stats["miss_blocks{tier=disk,reason=fingerprint}"] == 3
+    assert "fetched_blocks{tier=disk}" not in b.stats
     b.close()
 
 

@@ -25,9 +25,9 @@ config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
 m = KvtierPromMetrics(config, {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
                       ["model_name", "engine"], {0: ["m", "0"]})
 for i in range(49):
-    m.observe({f"tenant_hits|t{i}": 1, f"tenant_evictions|t{i}|host": 2,
-               f"retention_refused|t{i}|quota": 1, "tenant_hits|other": 1,
-               "restored_tokens": 16})
+    m.observe({"tenant_hits": {f"t{i}": 1, "other": 1},
+               "tenant_evictions": {f"t{i}": {"host": 2}},
+               "retention_refused": {f"t{i}": {"quota": 1}}, "restored_tokens": 16})
 text = prometheus_client.generate_latest().decode()
 series = [line for line in text.splitlines() if 'tenant="' in line and '_total{' in line]
 print(json.dumps({"tenants": sorted({s.split('tenant="')[1].split('"')[0] for s in series}),

@@ -21,6 +21,7 @@ from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, TierManager, job_ids
 from kvtier.tier.books.presence import RemotePresence, RemoteTier
+from kvtier.tier.catalog import MISS_BLOCKS, WRITE_FAILURE_BLOCKS
 from kvtier.tier.config import TierConfig
 from kvtier.tier.deadline import DEADLINE_FLOOR_S, fetch_budget_s
 from kvtier.tier.jobs import Job, Miss, Reason, Result
@@ -268,12 +269,12 @@ def test_the_new_reasons_reach_every_counter() -> None:
     m.below.stats.misses[Miss(Medium.DISK, Reason.DEADLINE)] += 3
     report = m.report()
     counters = tier_counters(report)
-    assert counters["write_failure_blocks|remote|timeout"] == 1
-    assert counters["miss_blocks|disk|deadline"] == 3
+    assert counters[WRITE_FAILURE_BLOCKS, ("remote", "timeout")] == 1
+    assert counters[MISS_BLOCKS, ("disk", "deadline")] == 3
     deep = below_host_stats(report, {})
     assert deep is not None and deep["write_failure_reasons"] == {"remote:timeout": 1}
     metrics = Metrics()
-    metrics.refresh({"host_tier": {}, "tiers_below_host": deep})
+    metrics.refresh({"host_tier": {}}, tier=report)
     body, _ = metrics.render()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(body.decode()) for s in f.samples}

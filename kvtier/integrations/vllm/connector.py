@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvtier.integrations.kit.counters import Count, merge, nest
 from kvtier.integrations.kit.epochs import ChainIdentity
 from kvtier.integrations.kit.events import UNPUBLISHED, KVEvents
 from kvtier.integrations.kit.hook_clock import HookClock, timed
@@ -46,6 +47,8 @@ from kvtier.integrations.vllm.settings import check_vllm_version, prior, setting
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker_side import WorkerSide
 from kvtier.tier import (
+    HOOK_SECONDS,
+    STEP_SECONDS,
     Faults,
     Job,
     Result,
@@ -272,14 +275,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is None:
             return None
         self.clock.end_step()  # vLLM calls this once a step, in its update
-        data = self.scheduler.take_stats()
         hooks, step = self.clock.take()
         # the worker ranks run side by side: their mean is what a step waits for
         hooks.update({h: s / self.world_size for h, s in self._worker_hooks.items()})
         self._worker_hooks.clear()
-        data.update({f"hook_seconds|{h}": s for h, s in hooks.items() if s > 0})
-        if step > 0:
-            data["step_seconds"] = step
+        own: dict[Count, float] = {(HOOK_SECONDS, (h,)): s for h, s in hooks.items()}
+        own[STEP_SECONDS, ()] = step
+        data = merge(self.scheduler.take_stats(), nest(own))
         return KvtierStats(data=data) if data else None
 
     @classmethod

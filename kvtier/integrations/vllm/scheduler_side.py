@@ -47,14 +47,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvtier.integrations.kit.async_loading import AsyncLoading, StepPeriod, loads_async
-from kvtier.integrations.kit.counters import Reported, tier_counters
+from kvtier.integrations.kit.counters import Count, Reported, nest, tier_counters
 from kvtier.integrations.kit.events import UNPUBLISHED, BlockRecorder
 from kvtier.integrations.kit.groups import Window, where_expected
 from kvtier.integrations.kit.kv_hints import KvHints
 from kvtier.integrations.kit.request_state import RequestState, Scheduled, group_key
 from kvtier.integrations.kit.wake_timeline import WakeTimeline
 from kvtier.tier import (
+    CACHE_RESETS,
+    DECLINED_TOKENS,
+    LOOKUP_TOKENS,
+    LOSSY_RESTORED_TOKENS,
     NO_MATCH,
+    RESET_DROPPED_HOST_BLOCKS,
+    RESTORE_SECONDS,
+    RESTORED_BLOCKS,
+    RESTORED_TOKENS,
     BlockKey,
     Decline,
     FetchDone,
@@ -92,7 +100,7 @@ class SchedulerSide:
         self._invalid: set[int] = set()  # device blocks vLLM must recompute (take_invalid)
         self._sending: list[str] = []  # finished requests whose blocks vLLM holds for us
         self.requests: dict[str, RequestState] = {}
-        self._counts: Counter[str] = Counter()  # since the last take_stats
+        self._counts: Counter[Count] = Counter()  # since the last take_stats
         # load job -> its request, the tokens it spares vLLM, its blocks per group
         self._restoring: dict[int, tuple[str, int, Counter[int]]] = {}
         self.async_loading = async_loading
@@ -203,8 +211,8 @@ class SchedulerSide:
         st.timeline.allocated = WakeTimeline.now()
         if not st.counted:  # the lookup vLLM acted on: retries while it waited do not count
             st.counted = True
-            self._counts["lookup_tokens"] += st.looked_up
-            self._counts["declined_tokens"] += st.match.declined_tokens
+            self._counts[LOOKUP_TOKENS, ()] += st.looked_up
+            self._counts[DECLINED_TOKENS, ()] += st.match.declined_tokens
         st.computed = st.local_blocks * self.block_size + external
         match, need = st.match, st.need
         if external != st.offered:  # vLLM took less than offered: load nothing, recompute
@@ -336,12 +344,12 @@ class SchedulerSide:
                 if st is not None:
                     st.timeline.loaded(event.finished_at, event.seconds)
                 if event.success:
-                    self._counts["restored_tokens"] += tokens
-                    self._counts["restore_seconds"] += event.seconds
+                    self._counts[RESTORED_TOKENS, ()] += tokens
+                    self._counts[RESTORE_SECONDS, ()] += event.seconds
                     if self.manager.lossy:  # host slots hold 8-bit encodings
-                        self._counts["lossy_restored_tokens"] += tokens
+                        self._counts[LOSSY_RESTORED_TOKENS, ()] += tokens
                     for g, n in groups.items():
-                        self._counts[f"restored_blocks|{self._group_label(g)}"] += n
+                        self._counts[RESTORED_BLOCKS, (self._group_label(g),)] += n
                 elif st is not None:
                     st.restored -= tokens
                     st.load_failed = True
@@ -353,16 +361,17 @@ class SchedulerSide:
             st.stale = True
             st.match, st.need, st.offered = NO_MATCH, [], 0
         dropped = self.manager.reset()
-        self._counts["cache_resets"] += 1
-        self._counts["reset_dropped_host_blocks"] += dropped
+        self._counts[CACHE_RESETS, ()] += 1
+        self._counts[RESET_DROPPED_HOST_BLOCKS, ()] += dropped
         return dropped
 
-    def take_stats(self) -> dict[str, float]:
-        """What happened since the last call (vLLM sums the reports), keyed as `counters.py`
-        says: `fetched_blocks|disk`, `miss_blocks|disk|checksum`."""
+    def take_stats(self) -> dict[str, Any]:
+        """What happened since the last call (vLLM sums the reports), nested as `counters.py`
+        says: {"fetched_blocks": {"disk": 7}, "miss_blocks": {"disk": {"checksum": 1}}}."""
         delta = self._reported.take(tier_counters(self.manager.report(), self.world_size))
         counts, self._counts = self._counts, Counter()
-        return {key: value for key, value in {**counts, **delta}.items() if value}
+        counts.update(delta)
+        return nest(counts)
 
     def answer(self, request_id: str, asks: Mapping[str, Any] | None) -> dict[str, Any]:
         """A finishing request's asks (`kv_hints.py`) over its full blocks: vLLM finishes it

@@ -1,6 +1,7 @@
 """kvtier's counters in vLLM's own stats: the scheduler side reports them once a step
 (`get_kv_connector_stats`), vLLM sums them, logs them, and its Prometheus logger exports them
-(`vllm serve`'s /metrics) as `vllm:kvtier_*_total` counters, in vLLM's own namespace."""
+(`vllm serve`'s /metrics) as `vllm:kvtier_*_total` counters, in vLLM's own namespace: one
+per family of the catalog (`kvtier.tier.catalog`) that has a vLLM name."""
 
 from __future__ import annotations
 
@@ -13,63 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-# data key -> what it counts (the Prometheus family is vllm:kvtier_<key>)
-COUNTERS = {
-    "lookup_tokens": "Prompt tokens beyond vLLM's own prefix cache that kvtier looked up "
-                     "(once per request, however often vLLM asks again)",
-    "restored_tokens": "Tokens restored from kvtier's tiers instead of recomputed",
-    "declined_tokens": "Tokens found in kvtier's tiers but recomputed (the planner's choice, "
-                       "a block that failed verification, or no room on host)",
-    "restore_bytes": "Bytes copied host -> vLLM's KV cache",
-    "restore_seconds": "Seconds spent copying host -> vLLM's KV cache",
-    "lossy_restored_tokens": "Tokens restored from 8-bit blocks (kv_offload_dtype): close to, "
-                             "not exactly, the KV vLLM would compute",
-    "failed_loads": "Host -> device loads that failed (recomputed or failed per policy)",
-    "stored_blocks": "Blocks stored device -> host",
-    "stored_bytes": "Bytes stored device -> host",
-    "failed_stores": "Device -> host stores that failed (never served)",
-    "store_refused": "Stores the host tier had no room for",
-    "cache_resets": "Resets of the KV cache (vLLM's reset_prefix_cache with reset_connector, "
-                    "a pause or sleep that clears caches): each moves block keys to a new "
-                    "weights identity",
-    "reset_dropped_host_blocks": "Host blocks dropped by cache resets",
-    "step_seconds": "Seconds of engine steps, from the first connector hook of vLLM's "
-                    "schedule() to its update (what kvtier's hook seconds are a share of)",
-}
-# data key "family|label[|label]" -> (labels after vLLM's, what it counts)
-LABELLED = {
-    "written_blocks": (("tier",), "Blocks written on from host to a tier below it"),
-    "written_bytes": (("tier",), "Bytes written on from host to a tier below it"),
-    "write_failures": (("tier",), "Blocks a tier below host failed to take (not misses)"),
-    "fetched_blocks": (("tier",), "Blocks fetched into host from a tier below it, verified"),
-    "fetched_bytes": (("tier",), "Bytes fetched into host from a tier below it"),
-    "renewed_blocks": (("tier",), "Blocks a tier below host that expires them (Redis's TTL) "
-                                  "was told to keep for a retention granted after their write"),
-    "renew_failures": (("tier",), "Blocks a tier below host could not be told to keep longer "
-                                  "(unreachable): their TTL may end before the retention"),
-    "hook_seconds": (("hook",), "Seconds kvtier spent in each of vLLM's connector hooks (a "
-                                "worker's: the mean over its tensor-parallel ranks)"),
-    "restored_blocks": (("group",), "Blocks restored into vLLM's KV cache, per KV cache group "
-                                    "(its index and kind: full, or window=<tokens>)"),
-    "miss_blocks": (("tier", "reason"), "Blocks found below host but not served, by reason "
-                                        "(kvtier.tier.Reason: fingerprint, checksum, mac, "
-                                        "missing, io, deadline, ...; blocks refused at start "
-                                        "included)"),
-    "declined": (("reason",), "Requests that recomputed tokens found in kvtier's tiers, by "
-                              "reason (kvtier.tier.Decline: slower, inflight, queue, "
-                              "policy, deadline, no_room, lost, layout)"),
-    "write_failure_blocks": (("tier", "reason"), "Blocks a tier below host failed to take, by "
-                                                 "reason (timeout, unavailable, io, ...)"),
-    # per tenant (a request's cache_salt; "default" without one): the kv_tenant_labels
-    # tenants holding most by name, the rest as "other", so the labels stay bounded
-    "tenant_hits": (("tenant",), "Blocks restored from host for a tenant's requests"),
-    "tenant_evictions": (("tenant", "tier"), "A tenant's blocks evicted from a tier to make "
-                                             "room"),
-    "retention_granted": (("tenant",), "Retentions granted (kvtier_retention_s in a "
-                                       "request's kv_transfer_params)"),
-    "retention_refused": (("tenant", "reason"), "Retentions refused, by reason (disabled, full, "
-                                                "over_max, quota, not_stored)"),
-}
+from kvtier.integrations.kit.counters import flat, merge, unnest
+from kvtier.tier import BY_VLLM_KEY, Label
 
 
 @dataclass
@@ -80,15 +26,14 @@ class KvtierStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+        merge(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: round(value, 6) for key, value in self.data.items()}
+        return dict(flat(self.data))
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(value for _, _, value in unnest(self.data))
 
 
 OTHER = "other"  # the tenants past the label cap, together
@@ -109,60 +54,57 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         self._tenant_cap = int(extra.get("kv_tenant_labels", 16))
         self._tenants: OrderedDict[str, None] = OrderedDict()  # least recently counted first
         self._families: dict[str, Any] = {}
-        for key, documentation in COUNTERS.items():
+        for key, family in BY_VLLM_KEY.items():
             self._families[key] = self._counter_cls(
-                name=f"vllm:kvtier_{key}", documentation=documentation, labelnames=labelnames)
-        for key, (extra, documentation) in LABELLED.items():
-            self._families[key] = self._counter_cls(
-                name=f"vllm:kvtier_{key}", documentation=documentation,
-                labelnames=[*labelnames, *extra])
-        self._bound: dict[tuple[str, int], Any] = {}
-        for key in COUNTERS:  # at 0 from the start; the labelled ones once they happen
-            for engine in per_engine_labelvalues:
-                self._counter(key, engine)
+                name=f"vllm:kvtier_{key}", documentation=family.doc,
+                labelnames=[*labelnames, *(label.value for label in family.labels)])
+        # (family key, its label values, engine) -> the bound counter
+        self._bound: dict[tuple[str, tuple[str, ...], int], Any] = {}
+        for key, family in BY_VLLM_KEY.items():  # at 0 from the start; labelled ones
+            if not family.labels:  # once they happen
+                for engine in per_engine_labelvalues:
+                    self._counter(key, (), engine)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, value in transfer_stats_data.items():
-            if value > 0:
-                self._saw_tenant(key)
-                counter = self._counter(key, engine_idx)
+        for family, labels, value in unnest(transfer_stats_data):
+            if value > 0 and family.vllm is not None:
+                self._saw_tenant(family.vllm, labels)
+                counter = self._counter(family.vllm, labels, engine_idx)
                 if counter is not None:
                     counter.inc(value)
 
-    def _saw_tenant(self, key: str) -> None:
+    def _saw_tenant(self, key: str, labels: tuple[str, ...]) -> None:
         """A counter of a tenant's is about to count: it is the most recent tenant now, and
         past the cap the least recent one's series go."""
-        tenant = _tenant_of(key)
+        tenant = _tenant_of(key, labels)
         if tenant is None or tenant == OTHER:
             return
         self._tenants[tenant] = None
         self._tenants.move_to_end(tenant)
         while len(self._tenants) > self._tenant_cap:
             gone, _ = self._tenants.popitem(last=False)
-            for bound_key in [k for k in self._bound if _tenant_of(k[0]) == gone]:
-                family, *extra = bound_key[0].split("|")
-                labels = self._engine_labels.get(bound_key[1], [])
-                remove = getattr(self._families[family], "remove", None)
+            for bound in [b for b in self._bound if _tenant_of(b[0], b[1]) == gone]:
+                family_key, values, engine = bound
+                labels_of_engine = self._engine_labels.get(engine, [])
+                remove = getattr(self._families[family_key], "remove", None)
                 if remove is not None:
-                    remove(*labels, *extra)
-                del self._bound[bound_key]
+                    remove(*labels_of_engine, *values)
+                del self._bound[bound]
 
-    def _counter(self, key: str, engine_idx: int) -> Any:
-        bound = self._bound.get((key, engine_idx))
+    def _counter(self, key: str, labels: tuple[str, ...], engine_idx: int) -> Any:
+        bound = self._bound.get((key, labels, engine_idx))
         if bound is None:
-            family, *extra = key.split("|")
-            labels = self._engine_labels.get(engine_idx)
-            want = len(LABELLED[family][0]) if family in LABELLED else 0
-            if family not in self._families or labels is None or len(extra) != want:
+            engine_labels = self._engine_labels.get(engine_idx)
+            if key not in self._families or engine_labels is None:
                 return None
-            bound = self._bound[(key, engine_idx)] = self._families[family].labels(
-                *labels, *extra)
+            bound = self._bound[(key, labels, engine_idx)] = self._families[key].labels(
+                *engine_labels, *labels)
         return bound
 
 
-def _tenant_of(key: str) -> str | None:
-    """The tenant label of a data key of a per-tenant family ("tenant_hits|alice"), else
-    None."""
-    family, *extra = key.split("|")
-    labels = LABELLED.get(family, ((),))[0]
-    return extra[0] if extra and labels and labels[0] == "tenant" else None
+def _tenant_of(key: str, labels: tuple[str, ...]) -> str | None:
+    """The tenant label value of a per-tenant family's series, else None."""
+    family = BY_VLLM_KEY.get(key)
+    if family is None or Label.TENANT not in family.labels:
+        return None
+    return labels[family.labels.index(Label.TENANT)]
