@@ -19,6 +19,7 @@ test: $(STAMP)
 	bash scripts/sglang_env.sh .sglang-libs
 	$(BIN)/ruff check kvtier tests benchmarks scripts
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=25
 
 clean:

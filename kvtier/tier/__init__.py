@@ -34,7 +34,7 @@ loads torch.
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tier.books.manager import FETCHING, NO_MATCH, Match, RequestOutcome, TierManager
+from kvtier.tier.books.manager import TierManager
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyChange
 from kvtier.tier.books.returns import MAX_EXPECT_RETURN_S
 from kvtier.tier.books.tenancy import Grant, Refusal
@@ -81,7 +81,8 @@ from kvtier.tier.keys import (
 from kvtier.tier.knobs import check_bounds, check_types
 from kvtier.tier.layout import KVLayout, heads_first_coded_shape
 from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy, LoadRule
-from kvtier.tier.match import Prefetch, declines
+from kvtier.tier.match import FETCHING, NO_MATCH, Match, Prefetch, declines
+from kvtier.tier.outcome import RequestOutcome
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
 from kvtier.tier.report import BelowReport, TenantCounts, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
@@ -90,12 +91,12 @@ from kvtier.tier.tenant_source import TenantSource, request_tenant, tenant_rule
 if TYPE_CHECKING:
     from kvtier.tier.builder import (
         SchedulerTier,
-        Tier,
         build,
         build_scheduler_side,
         build_worker_side,
         host_slot_nbytes,
     )
+    from kvtier.tier.driver import Tier
     from kvtier.tier.pages import PageStore
     from kvtier.tier.worker import TierWorker, WorkerReport
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -27,7 +27,7 @@ class HookClock:
     """Seconds per hook, and (scheduler side) step seconds, since the last `take`."""
 
     def __init__(self) -> None:
-        self.seconds: Counter[str] = Counter()
+        self.seconds: dict[str, float] = defaultdict(float)
         self.step_seconds = 0.0
         self._depth = 0  # a hook that calls another is timed once, as the outer one
         self._step_began: float | None = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +45,8 @@ class BelowStats:
     write_failure_reasons: Counter[Miss] = field(default_factory=Counter)
     fetched: Counter[str] = field(default_factory=Counter)
     fetched_bytes: Counter[str] = field(default_factory=Counter)
-    fetch_seconds: Counter[str] = field(default_factory=Counter)  # the hop's I/O time
+    # the hop's I/O time
+    fetch_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     misses: Counter[Miss] = field(default_factory=Counter)  # blocks not served
     refused: int = 0  # writes or fetches the host or disk tier had no room for
     renewed: Counter[str] = field(default_factory=Counter)  # blocks a later retention kept
@@ -335,7 +336,7 @@ class BelowHost:
         for medium in t.media[:n]:
             self.stats.fetched[medium.value] += 1
         source = self.deepest(t.media[:n]) if n else None
-        if n:
+        if source is not None:
             self.stats.fetched_bytes[source.value] += outcome.nbytes  # as stored
             self.stats.fetch_seconds[source.value] += outcome.seconds
         whole = n == len(t.keys)

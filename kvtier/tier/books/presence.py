@@ -17,8 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
-from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
+from kvtier.tier.books.protocol import PrepareStoreResult
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.report import IndexStats
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,12 @@ class RemotePresence:
                 if self._closing:
                     return
                 question = next(iter(self._questions))
+            answer: list[bool | None]
             try:
                 answer = list(self._exists(question))
             except Exception as e:  # unreachable, or credentials revoked since start: a miss
                 log.debug("kvtier: remote presence query failed: %s", e)
-                answer: list[bool | None] = [False] * len(question)
+                answer = [False] * len(question)
                 with self._cond:
                     self.errors += 1
             with self._cond:

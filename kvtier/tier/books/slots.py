@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.policy import Skip, make_policy
-from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
+from kvtier.tier.books.protocol import PrepareStoreResult
 from kvtier.tier.books.residency_log import ChangeKind, ResidencyLog
 from kvtier.tier.books.tenancy import Tenancy
 from kvtier.tier.keys import BlockKey, Medium
+from kvtier.tier.report import IndexStats
 
 Spill = Callable[[BlockKey], bool]  # True for a key a tier below keeps: the host may let go
 

@@ -96,7 +96,7 @@ class BlockHeader:
                              f"{len(self.mac) if isinstance(self.mac, bytes) else self.mac!r}")
 
 
-def _token_array(tokens: Sequence[int]) -> array:
+def _token_array(tokens: Sequence[int]) -> array[int]:
     """Token ids as a native uint32 array (ValueError if any is outside [0, 2**32))."""
     if len(tokens) > MAX_TOKENS:
         raise ValueError(f"a block holds at most {MAX_TOKENS} tokens, got {len(tokens)}")
@@ -275,7 +275,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     arr: np.ndarray = flat.numpy()  # shares memory with `t`, and keeps it alive
-    return memoryview(arr)
+    return arr.data
 
 
 def copy_into(t: torch.Tensor, data: Buffer) -> None:

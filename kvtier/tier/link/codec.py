@@ -44,6 +44,7 @@ import math
 
 import numpy as np
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from kvtier.errors import ConfigError
 
@@ -145,12 +146,12 @@ def _byte_tensor(mv: memoryview) -> torch.Tensor:
     # torch.frombuffer warns on read-only memory (bytes, a Redis reply); DLPack shares it
     # silently on numpy >= 2.1. Older numpy refuses to export read-only arrays: copy then.
     try:
-        return torch.from_dlpack(np.frombuffer(mv, dtype=np.uint8))
+        return from_dlpack(np.frombuffer(mv, dtype=np.uint8))
     except (BufferError, TypeError, RuntimeError):
         return torch.frombuffer(bytearray(mv), dtype=torch.uint8)
 
 
-def decode(payload: bytes | memoryview, out: torch.Tensor, encoding: str) -> None:
+def decode(payload: bytes | memoryview | np.ndarray, out: torch.Tensor, encoding: str) -> None:
     """Decode an `encode` payload into `out` (a contiguous CPU block of any float dtype).
 
     ValueError if the payload's length does not fit `out`'s shape or a scale is one `encode`
@@ -159,7 +160,7 @@ def decode(payload: bytes | memoryview, out: torch.Tensor, encoding: str) -> Non
     _qmax(encoding)
     max_scale = _MAX_SCALE[encoding]
     layers, _block_size, kv, heads, _head_dim = _check_tensor(out, "out")
-    mv = memoryview(payload)
+    mv = payload.data if isinstance(payload, np.ndarray) else memoryview(payload)
     if not mv.c_contiguous:
         raise ValueError("an encoded KV payload must be a C-contiguous buffer")
     if mv.format != "B" or mv.ndim != 1:

@@ -167,7 +167,9 @@ def stacked_layers(layout: KVLayout) -> torch.Tensor | None:
             or t.untyped_storage().data_ptr() != storage.data_ptr()
             for i, t in enumerate(layout.tensors)):
         return None
-    return first.as_strided((layout.num_layers, *first.shape), (step, *first.stride()))
+    stacked: torch.Tensor = first.as_strided((layout.num_layers, *first.shape),
+                                             (step, *first.stride()))
+    return stacked
 
 
 def layer_index(

@@ -19,6 +19,7 @@ import resource
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -139,7 +140,7 @@ def slot_nbytes(block_shape: tuple[int, ...], dtype: torch.dtype, encoding: str 
     return math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def _register_pinned(owner: object, tensor: torch.Tensor) -> weakref.finalize:
+def _register_pinned(owner: object, tensor: torch.Tensor) -> weakref.finalize[..., Any]:
     """Page-lock exactly `tensor`'s bytes until `owner` is collected (ConfigError on failure)."""
     cudart = torch.cuda.cudart()
     ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()

@@ -18,6 +18,7 @@ and each node that was still sending opens its breaker (slow counts as failing).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -189,7 +190,7 @@ class ClusterStore(KeyedStore):
         out: list[Any] = [None] * len(names)
         groups = self._route(client, range(len(names)), names, write, out)
         redirects, failed = self._send(client, what, groups, call, out, set())
-        groups, asking = {}, set()
+        groups, asking = {}, set[int]()
         if redirects:  # the slot moved (reshard, failover): follow once, then give up
             if any(isinstance(e, MovedError) for e in redirects.values()):
                 self._refresh(client)
@@ -253,10 +254,11 @@ class ClusterStore(KeyedStore):
 
         jobs = list(groups.values())
         if len(jobs) == 1:
-            results = [self._guarded(what, jobs[0][0], lambda: run(*jobs[0]))]
+            node, ix = jobs[0]
+            results = [self._guarded(what, node, functools.partial(run, node, ix))]
         else:
             futures = [self._pool.submit(self._guarded, what, node,
-                                         lambda n=node, ix=ix: run(n, ix))
+                                         functools.partial(run, node, ix))
                        for node, ix in jobs]
             results = [f.result() for f in futures]
         redirects: dict[int, MovedError | AskError] = {}
@@ -392,7 +394,13 @@ class ClusterStore(KeyedStore):
                 answers[node.name] = RemoteUnavailable(f"node {node.name} down")
                 continue
             answers[node.name] = self._guarded(
-                "ping", node, lambda n=node: [call(client.get_redis_connection(n))])
+                "ping", node, functools.partial(_one, call, client, node))
             if isinstance(answers[node.name], list):
                 answers[node.name] = answers[node.name][0]
         return answers
+
+
+def _one(call: Callable[[redis.Redis], Any], client: RedisCluster, node: ClusterNode
+         ) -> list[Any]:
+    """`call`'s answer on `node`'s connection, as the one reply of a batch."""
+    return [call(client.get_redis_connection(node))]

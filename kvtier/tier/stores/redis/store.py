@@ -18,7 +18,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -235,7 +235,9 @@ class RedisStore(KeyedStore):
         if not keys:
             return []
         names = [self.key(k) for k in keys]
-        return self._call("get", lambda client: list(client.mget(names)))
+        # decode_responses is off: every value is bytes (or None, absent)
+        return self._call("get", lambda client: cast("list[bytes | RemoteUnavailable | None]",
+                                                     list(client.mget(names))))
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
                       header_limit: int, deadline: float | None = None
