@@ -12,7 +12,7 @@ from typing import Any
 
 from kvtier.output import RequestOutput
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
-from kvtier.tier import TierStats
+from kvtier.tier import Medium, TierStats
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -151,7 +151,7 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
         if index.capacity:  # a store of slots (disk); a shared one evicts by itself
             row.update(used_slots=index.used, capacity_slots=index.capacity,
                        evictions=index.evictions)
-        if medium == "remote":
-            row["lookups_answered_absent"] = b.lookups_answered_absent
+        if Medium(medium).shared:  # its presence is asked of other instances' writes
+            row["lookups_answered_absent"] = index.answered_absent
         out[medium] = {**row, **stores.get(medium, {})}
     return out

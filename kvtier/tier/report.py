@@ -57,6 +57,8 @@ class IndexStats:
     used: int = 0  # gauge: slots holding a key (complete or storing)
     capacity: int = 0  # gauge: slots in the tier
     pinned: int = 0  # gauge: slots pinned by an in-flight store or load
+    # presence questions a shared store failed whole, and lookups one of its shards cut short
+    answered_absent: int = 0
 
 
 @dataclass

@@ -126,7 +126,8 @@ class RemoteTier:
     def stats(self) -> IndexStats:
         s = self._counts
         return IndexStats(s.lookups, s.hits, s.stores, s.store_failures, s.loads,
-                         s.load_failures, 0, s.collisions, 0, 0, len(self._writing))
+                          s.load_failures, 0, s.collisions, 0, 0, len(self._writing),
+                          self.answered_absent)
 
     @property
     def pending(self) -> bool:
