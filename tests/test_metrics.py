@@ -272,7 +272,7 @@ def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
     m = Metrics()
     below = below_report(
         written_blocks={"disk": 12, "remote": 4}, write_failures={"remote": 3},
-        fetched_blocks={"disk": 6},
+        fetched_blocks={"disk": 6}, fetch_seconds={"disk": 0.5},
         misses={Miss(Medium.DISK, Reason.CHECKSUM): 1, Miss(Medium.REMOTE, Reason.UNAVAILABLE): 2},
         stores={"disk": IndexStats(used=12, capacity=100)})
     m.refresh(stats(HOST_TIER), tier=tier_report(below, slower=2))
@@ -283,6 +283,8 @@ def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
         ("kvtier_tier_write_failures_total", "remote"): 3,
         ("kvtier_tier_write_failures_total", "disk"): 0,
         ("kvtier_tier_blocks_fetched_total", "disk"): 6,
+        ("kvtier_tier_fetch_seconds_total", "disk"): 0.5,
+        ("kvtier_tier_fetch_seconds_total", "remote"): 0,
     }
     for (name, tier), count in expected.items():
         assert value(s, name, tier=tier) == count, (name, tier)

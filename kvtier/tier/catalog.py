@@ -124,6 +124,9 @@ FETCHED_BLOCKS = Family("Blocks fetched into host from a tier below it, verified
                         (Label.TIER,), vllm="fetched_blocks", serve="tier_blocks_fetched")
 FETCHED_BYTES = Family("Bytes fetched into host from a tier below it", (Label.TIER,),
                        vllm="fetched_bytes", per_rank_bytes=True)
+FETCH_SECONDS = Family("Seconds of I/O fetching from a tier below host into host memory "
+                       "(fetched bytes over these: the tier's read rate)", (Label.TIER,),
+                       vllm="fetch_seconds", serve="tier_fetch_seconds")
 RENEWED_BLOCKS = Family("Blocks a tier below host that expires them (a TTL) was told to keep "
                         "longer: a retention granted after their write", (Label.TIER,),
                         vllm="renewed_blocks", serve="tier_blocks_renewed")
@@ -165,19 +168,17 @@ CATALOG: tuple[Family, ...] = (
     LOSSY_RESTORED_TOKENS, FAILED_LOADS, STORED_BLOCKS, STORED_BYTES, FAILED_STORES,
     STORE_REFUSED, CACHE_RESETS, RESET_DROPPED_HOST_BLOCKS, STEP_SECONDS, HOOK_SECONDS,
     RESTORED_BLOCKS, DECLINED, WRITTEN_BLOCKS, WRITTEN_BYTES, WRITE_FAILURES, FETCHED_BLOCKS,
-    FETCHED_BYTES, RENEWED_BLOCKS, RENEW_FAILURES, MISS_BLOCKS, WRITE_FAILURE_BLOCKS,
+    FETCHED_BYTES, FETCH_SECONDS, RENEWED_BLOCKS, RENEW_FAILURES, MISS_BLOCKS, WRITE_FAILURE_BLOCKS,
     TENANT_HITS, TENANT_EVICTIONS, RETENTION_GRANTED, RETENTION_REFUSED, TENANT_RETENTION,
     TENANT_PREFETCH, TENANT_BYTES, DISK_SLOTS)
 BY_VLLM_KEY: Mapping[str, Family] = {f.vllm: f for f in CATALOG if f.vllm is not None}
 # The stores kvtier ships: their series exist (at 0) wherever a family is labelled by tier
 # alone, so a dashboard sees 0 rather than no series when one is off.
 BUILT_IN_TIERS: tuple[Medium, ...] = (Medium.DISK, Medium.REMOTE)
-# Families whose every reason is always exported, at 0 until it happens.
+# Label values always exported, at 0 until they count.
 ALWAYS_LABELLED: Mapping[Family, tuple[tuple[LabelValue, ...], ...]] = {
+    **{f: tuple((m,) for m in BUILT_IN_TIERS) for f in CATALOG if f.labels == (Label.TIER,)},
     DECLINED: tuple((d,) for d in Decline),
-    **{f: tuple((m,) for m in BUILT_IN_TIERS)
-       for f in (WRITTEN_BLOCKS, WRITE_FAILURES, FETCHED_BLOCKS, RENEWED_BLOCKS,
-                 RENEW_FAILURES)},
     DISK_SLOTS: (("used",), ("capacity",)),
 }
 
@@ -199,6 +200,7 @@ def rows(report: TierStats) -> Iterator[Row]:
                                (WRITE_FAILURES, b.write_failures),
                                (FETCHED_BLOCKS, b.fetched_blocks),
                                (FETCHED_BYTES, b.fetched_bytes),
+                               (FETCH_SECONDS, b.fetch_seconds),
                                (RENEWED_BLOCKS, b.renewed_blocks),
                                (RENEW_FAILURES, b.renew_failures)):
             # every store that runs has its series, at 0 until it counts
