@@ -17,7 +17,7 @@ from kvtier.sequence import Sequence
 from kvtier.tier import NO_MATCH, BlockKey, Match, Residency, is_swap_key
 
 if TYPE_CHECKING:
-    from kvtier.engine.tier_client import NullTier, TierClient
+    from kvtier.engine.engine_tier import EngineTier
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class AdmissionPlan:
 
 
 def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,
-                   tier: TierClient | NullTier, block_size: int, compute_ahead: int = 0
+                   tier: EngineTier, block_size: int, compute_ahead: int = 0
                    ) -> AdmissionPlan | None:
     """`compute_ahead`: prompt tokens admitted before `seq` and not yet computed."""
     prefix = kv.find_cached_prefix(namespace, seq.token_ids)

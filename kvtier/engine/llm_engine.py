@@ -19,11 +19,13 @@ from typing import Any
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig
 from kvtier.engine.batch import SchedulerOutput
+from kvtier.engine.engine_tier import EngineTier
 from kvtier.engine.faults import EngineFaults
 from kvtier.engine.scheduler import Scheduler
-from kvtier.engine.tier_client import NullTier, TierClient
+from kvtier.engine.tier_client import TierClient
 from kvtier.errors import RequestError
-from kvtier.model.loader import LoadedModel, load_model
+from kvtier.model.loaded import LoadedModel
+from kvtier.model.loader import load_model
 from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
@@ -74,7 +76,7 @@ class LLMEngine:
         self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)
         context = config.scheduler.max_model_len or loaded.spec.max_position_embeddings
         self.max_model_len = min(context, self.runner.num_blocks * bs)
-        self.tier: TierClient | NullTier = TierClient.build(
+        self.tier: EngineTier = TierClient.build(
             config, self.runner, self.pool, self.fingerprint.namespace(), self.faults.tier)
         self.scheduler = Scheduler(config.scheduler, self.pool, bs, self.tier,
                                    max_model_len=self.max_model_len)

@@ -29,7 +29,7 @@ from kvtier.sequence import Phase, Sequence, SequenceStatus, SwapState
 from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, Residency, swap_key
 
 if TYPE_CHECKING:  # the tier client imports this module's ScheduledSeq
-    from kvtier.engine.tier_client import NullTier, TierClient
+    from kvtier.engine.engine_tier import EngineTier
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Scheduler:
         config: SchedulerConfig,
         pool: BlockPool,
         block_size: int,
-        tier: TierClient | NullTier,
+        tier: EngineTier,
         max_model_len: int | None = None,
     ) -> None:
         self.config = config

@@ -4,7 +4,8 @@
 each device block a store reads and drops it on `StoreDone` (uncaching an idle block once
 its bytes are on host), runs the two pool policies (idle demotion, write-back of blocks
 about to be evicted), and moves jobs and results between the manager and the worker.
-`NullTier` is the same face with no tier behind it, so the engine loop has no branches.
+`NullTier` is the same face with no tier behind it, so the engine loop has no branches;
+both implement `EngineTier`, which the type checker holds them to.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig, OffloadPolicy, WritePolicy
 from kvtier.engine.batch import SchedulerOutput
+from kvtier.engine.engine_tier import EngineTier
 from kvtier.engine.prefill_rate import measure_prefill
 from kvtier.errors import ConfigError
 from kvtier.model.runner import ModelRunner
@@ -54,7 +56,7 @@ class TierClient:
 
     @classmethod
     def build(cls, config: EngineConfig, runner: ModelRunner, pool: BlockPool,
-              namespace: bytes, faults: Faults) -> TierClient | NullTier:
+              namespace: bytes, faults: Faults) -> EngineTier:
         """`namespace`: the engine's fingerprint digest, which every block below host
         carries. A NullTier when `kv_offloading_size` is 0."""
         policy = config.policy.on(runner.device.type)  # AUTO settled once, here

@@ -23,11 +23,14 @@ GiB = 1 << 30
 class ScheduledChunk(Protocol):
     """What the runner needs of a scheduled sequence (the scheduler's `ScheduledSeq`)."""
 
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    block_ids: list[int]
-
+    @property
+    def seq(self) -> Sequence: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def block_ids(self) -> list[int]: ...
     @property
     def samples(self) -> bool: ...
 
