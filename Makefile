@@ -20,6 +20,7 @@ test: $(STAMP)
 	$(BIN)/ruff check kvtier tests benchmarks scripts
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 	$(BIN)/python -m pytest -q --durations=25
 
 clean:

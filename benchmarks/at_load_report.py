@@ -1,5 +1,5 @@
 """The at-load runner's table, its targets and its pages (HTML with the curves, and PNGs for
-the README): one line per configuration, TTFT and throughput against load."""
+docs/at-load.md): one line per configuration, TTFT and throughput against load."""
 
 from __future__ import annotations
 

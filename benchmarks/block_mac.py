@@ -96,7 +96,7 @@ def candidates(block: bytes) -> list[dict[str, Any]]:
 @contextmanager
 def redis_server() -> Iterator[str | None]:
     """A redis-server child on a free loopback port, with its allocator's defaults (as the
-    README's rows were measured); None if none."""
+    docs/host-tier.md's rows were measured); None if none."""
     redis = LocalRedis(malloc_conf="")
     if redis.server is None:
         print(f"fetch rows skipped: {redis.reason}")

