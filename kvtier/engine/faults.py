@@ -19,7 +19,7 @@ from kvtier.sequence import SamplingParams
 from kvtier.tier import Faults
 
 
-class InjectedFault(RuntimeError):
+class InjectedEngineFault(RuntimeError):
     """A failure a test asked for."""
 
 
@@ -47,11 +47,11 @@ class EngineFaults:
 
     def before_step(self) -> None:
         if self.fatal:
-            raise InjectedFault("injected: the engine is broken for good")
+            raise InjectedEngineFault("injected: the engine is broken for good")
 
     def before_forward(self, params: Iterable[SamplingParams]) -> None:
         if self.step_seed is not None and any(p.seed == self.step_seed for p in params):
-            raise InjectedFault("injected: this forward pass failed")
+            raise InjectedEngineFault("injected: this forward pass failed")
 
     def failed_sampling(self, params: SamplingParams) -> bool:
         return self.sample_seed is not None and params.seed == self.sample_seed

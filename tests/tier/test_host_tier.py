@@ -5,7 +5,7 @@ from conftest import ks
 
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.policy import POLICIES
-from kvtier.tier.books.protocol import PrepareStoreResult, Tier
+from kvtier.tier.books.protocol import PrepareStoreResult, SlotIndex
 from kvtier.tier.keys import Medium, hash_blocks
 
 
@@ -26,7 +26,7 @@ def policy(request: pytest.FixtureRequest) -> str:
 
 
 def test_host_tier_is_a_tier() -> None:
-    tier: Tier = HostTier(2)
+    tier: SlotIndex = HostTier(2)
     assert tier.medium is Medium.HOST and tier.num_slots == 2
 
 

@@ -15,7 +15,7 @@ from kvtier.tier import Calibration, KVLayout, Medium, Planner, TierConfig, Tier
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, job_ids
-from kvtier.tier.books.protocol import IndexStats, PrepareStoreResult
+from kvtier.tier.books.protocol import PrepareStoreResult
 from kvtier.tier.books.tenancy import Tenancy
 from kvtier.tier.io.block_format import BlockHeader, Buffer, CorruptBlock, pack, unpack
 from kvtier.tier.io.store import StoreMiss
@@ -24,6 +24,7 @@ from kvtier.tier.jobs import FetchDone, LoadDone, Miss, Reason
 from kvtier.tier.keys import BlockKey, hash_blocks
 from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
+from kvtier.tier.report import IndexStats
 from kvtier.tier.worker import TierWorker
 
 NS = bytes(range(16))

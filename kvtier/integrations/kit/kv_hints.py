@@ -37,7 +37,7 @@ def seconds(value: object) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
-class KvHints:
+class HintAnswers:
     """A finished request's asks answered by one `TierManager` (which stages the expected
     returns itself, `TierManager.stage_returns`)."""
 

@@ -50,7 +50,7 @@ from kvtier.integrations.kit.async_loading import AsyncLoading, StepPeriod, load
 from kvtier.integrations.kit.counters import Count, Reported, nest, tier_counters
 from kvtier.integrations.kit.events import UNPUBLISHED, BlockRecorder
 from kvtier.integrations.kit.groups import Window, where_expected
-from kvtier.integrations.kit.kv_hints import KvHints
+from kvtier.integrations.kit.kv_hints import HintAnswers
 from kvtier.integrations.kit.request_state import RequestState, Scheduled, group_key
 from kvtier.integrations.kit.wake_timeline import WakeTimeline
 from kvtier.tier import (
@@ -108,7 +108,7 @@ class SchedulerSide:
         self._async: list[tuple[int, str]] = []  # this step's loads vLLM waits on apart
         self._received: list[str] = []  # requests vLLM waits on that have nothing to load
         self._reported = Reported()  # what the tier knew at start is news too
-        self.hints = KvHints(manager)  # retention and expect-return asks
+        self.hints = HintAnswers(manager)  # retention and expect-return asks
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
                        num_computed: int, prompt_len: int | None = None,

@@ -44,7 +44,7 @@ from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.prefetch_budget import PrefetchBudget
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
 from kvtier.tier.books.returns import ExpectedReturns
-from kvtier.tier.books.state import PendingTransfer, RequestState
+from kvtier.tier.books.state import PendingTransfer, RequestBooks
 from kvtier.tier.books.tenancy import Grant
 from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
@@ -78,7 +78,7 @@ class TierManager:
         self._ids = ids
         self._pending: dict[int, PendingTransfer] = {}
         self._outbox: list[Job] = []
-        self._requests: dict[str, RequestState] = {}
+        self._requests: dict[str, RequestBooks] = {}
         self._residency = residency if residency is not None else ResidencyLog(enabled=False)
         self.returns = ExpectedReturns()  # sessions a client said come back (expect)
         self.fetch_up = FetchUp(config, planner, below, self.load_policy, block_size,
@@ -172,7 +172,7 @@ class TierManager:
         starts here and the answer is FETCHING (not yet) until it lands."""
         if self.returns.arriving(keys):  # its prefix is being staged up: not yet
             return None
-        state = self._requests.setdefault(request_id, RequestState())
+        state = self._requests.setdefault(request_id, RequestBooks())
         if state.fetching:
             return FETCHING
         hits = self.host_hits(keys, tokens)
@@ -249,7 +249,7 @@ class TierManager:
         loaded, the device copy is the one that counts and the host slots are freed (a
         client that writes blocks back when it evicts them); `swap_in`: the request's own
         state after a preemption, counted apart from its prompt's restore."""
-        state = self._requests.setdefault(request_id, RequestState())
+        state = self._requests.setdefault(request_id, RequestBooks())
         state.declined.clear()  # counted once, by this admission
         self.declined.update(reason for reason, _ in match.declined_by)
         self.below.release(request_id)  # the load takes pins of its own

@@ -37,7 +37,7 @@ class PrepareStoreResult:
     evicted: list[BlockKey]
 
 
-class Tier(Protocol):
+class SlotIndex(Protocol):
     """One storage level below the device: which key lives in which slot, and what is pinned."""
 
     @property

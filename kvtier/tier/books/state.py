@@ -30,7 +30,7 @@ class PendingTransfer:
 
 
 @dataclass
-class RequestState:
+class RequestBooks:
     """The tier's own state of one request (kept off the engine's sequence object)."""
 
     checked_below: bool = False  # tiers below host were consulted once: never fetch twice

@@ -52,7 +52,7 @@ from kvtier.tier.link.stats import DirectionCounter, TransferStats
 from kvtier.tier.link.threads import use_one_thread
 
 
-class InjectedFault(RuntimeError):
+class InjectedTransferFault(RuntimeError):
     """Raised inside the worker when the `fault` hook asks a step to fail."""
 
 
@@ -262,7 +262,7 @@ class TransferEngine:
         """Copy (CPU) or issue (CUDA) the job's next step, then account for it."""
         idx, spec = job.next_step, job.job
         if spec.id >= 0 and self.fault(spec, idx):  # the start-up probe's own never fail
-            raise InjectedFault(f"injected fault in step {idx} of job {job.id}")
+            raise InjectedTransferFault(f"injected fault in step {idx} of job {job.id}")
         if self._closing:
             return
         paced = self.load_gbps is not None and job.direction is LOAD
