@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier.integrations.vllm.worker_side import ExpectedLayout
 from kvtier.tier import Job, KVLayout, Medium, TierWorker
-from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
+from kvtier.tier.link.transfer import TransferEngine
 
 # SmolLM2-135M's KV in bfloat16: 30 layers, 3 KV heads of 64, blocks of 16 tokens
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16

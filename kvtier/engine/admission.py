@@ -43,7 +43,7 @@ class AdmissionPlan:
 
     @property
     def residency(self) -> Residency:
-        source = self.match.residency  # the tier's medium, if it restores anything
+        source = self.match.source  # the tier's medium, if it restores anything
         if source is not None:
             return Residency.from_medium(source)
         if self.prefix.num_tokens:

@@ -33,9 +33,9 @@ from kvtier.tier.io.store import SecondaryStore
 from kvtier.tier.io.thread import TierIO
 from kvtier.tier.layout import KVLayout
 from kvtier.tier.link.codec import encoded_nbytes
-from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.link.probe import measure_link
+from kvtier.tier.link.transfer import TransferEngine
 from kvtier.tier.planner import Calibration, Planner
 from kvtier.tier.worker import TierWorker
 

@@ -28,8 +28,8 @@ class Match:
         return sum(n for _, n in self.declined_by)
 
     @property
-    def residency(self) -> Medium | None:
-        """Where the restored state came from, if any is restored."""
+    def source(self) -> Medium | None:
+        """The medium the restored state comes from, if any is restored."""
         if not self.load_keys:
             return None
         return self.fetched_from or Medium.HOST

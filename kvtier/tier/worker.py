@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from kvtier.tier.jobs import Job, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.layout import KVLayout
-from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.link.stats import TransferStats
+from kvtier.tier.link.transfer import TransferEngine
 
 if TYPE_CHECKING:
     from kvtier.tier.io.store import SecondaryStore

@@ -58,7 +58,7 @@ def test_store_then_match_then_load() -> None:
     assert done == StoreDone(done.job_id, (7, 8), True)
     match = m.match("r", KEYS[:3], CHUNKS[:3])
     assert match is not None and match.load_keys == tuple(KEYS[:2])
-    assert match.restored_tokens == 2 * BS and match.residency is Medium.HOST
+    assert match.restored_tokens == 2 * BS and match.source is Medium.HOST
     job = m.allocated("r", match, [3, 4])
     [job_spec] = m.take_jobs()
     assert job_spec.id == job and job_spec.src is Medium.HOST and job_spec.dst is Medium.DEVICE
@@ -154,7 +154,7 @@ def test_write_down_to_disk_then_fetch_up_then_load() -> None:
                                 seconds=fetched.seconds, finished_at=fetched.finished_at)
     assert fetched.predicted_s is not None and fetched.predicted_s > 0  # scored on landing
     again = m.match("r", KEYS[:2], CHUNKS[:2])
-    assert again.load_keys == tuple(KEYS[:2]) and again.residency is Medium.DISK
+    assert again.load_keys == tuple(KEYS[:2]) and again.source is Medium.DISK
     m.allocated("r", again, [5, 6])
     [loaded] = run(m)
     assert loaded.success

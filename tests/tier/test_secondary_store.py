@@ -22,8 +22,8 @@ from kvtier.tier.io.store import StoreMiss
 from kvtier.tier.io.thread import TierIO
 from kvtier.tier.jobs import FetchDone, LoadDone, Miss, Reason
 from kvtier.tier.keys import BlockKey, hash_blocks
-from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
+from kvtier.tier.link.transfer import TransferEngine
 from kvtier.tier.report import IndexStats
 from kvtier.tier.worker import TierWorker
 

@@ -7,8 +7,8 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.tier import Job, KVLayout, Medium, TierWorker
 from kvtier.tier.io.thread import TierIO
-from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
+from kvtier.tier.link.transfer import TransferEngine
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 10, 2, 4, 8
 NS = b"\x00" * 16  # the namespace blocks below host would carry (none here)

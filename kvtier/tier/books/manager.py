@@ -260,7 +260,7 @@ class TierManager:
                     lossy=o.lossy or self.lossy)
         state.outcome = (replace(o, swapped_in_tokens=o.swapped_in_tokens + n) if swap_in else
                          replace(o, restored_tokens=o.restored_tokens + n,
-                                 source=match.residency))
+                                 source=match.source))
         keys = list(match.load_keys)
         slots = self.host.prepare_load(keys)
         self.host.touch(keys)

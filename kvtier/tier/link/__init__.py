@@ -16,9 +16,9 @@ the caller neither reuses nor frees them. A failed job's partial writes are the 
 discard; it is a miss, never a load.
 """
 
-from kvtier.tier.link.engine import InjectedTransferFault, TransferEngine
 from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.link.stats import DirectionStats, TransferStats
+from kvtier.tier.link.transfer import InjectedTransferFault, TransferEngine
 
 __all__ = [
     "DirectionStats",

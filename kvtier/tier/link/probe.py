@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from kvtier.tier.jobs import Job
 from kvtier.tier.keys import Medium
-from kvtier.tier.link.engine import TransferEngine
 from kvtier.tier.link.host_pool import HostPool
+from kvtier.tier.link.transfer import TransferEngine
 from kvtier.tier.planner import Calibration
 
 CALIBRATION_BLOCKS = 8
