@@ -71,8 +71,10 @@ class RequestLog:
         }
 
 
-def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
-    """Everything `LLM.stats()` reports, as plain JSON-able values."""
+def engine_stats(engine: Any, log: RequestLog, tier_report: TierStats | None = None
+                 ) -> dict[str, Any]:
+    """Everything `LLM.stats()` reports, as plain JSON-able values (`tier_report`: the tier's
+    report when the caller took it already, for `/metrics`' own loop)."""
     pool, sched = engine.pool, engine.scheduler
     report: dict[str, Any] = {
         "ttft_s": log.ttft_by_class(),
@@ -91,7 +93,7 @@ def engine_stats(engine: Any, log: RequestLog) -> dict[str, Any]:
     if not tier.enabled:
         report["host_tier"] = report["tiers_below_host"] = None
         return report
-    ms, wr = tier.report(), tier.worker_report()
+    ms, wr = tier_report or tier.report(), tier.worker_report()
     ts, t, counts = ms.host, wr.link, ms.transfers
     report["host_tier"] = {
         "slots": {"used": ts.used, "capacity": ts.capacity, "pinned": ts.pinned},

@@ -40,9 +40,9 @@ def admin_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
     async def prometheus() -> Response:
         def snapshot() -> tuple[dict[str, Any], int, int, TierStats | None]:
             s = loop.engine.scheduler  # counters and gauges only: no history is scanned
-            tier = loop.engine.tier
-            return (engine_stats(loop.engine, RequestLog()), len(s.running), len(s.waiting),
-                    tier.report() if tier.enabled else None)
+            tier = loop.engine.tier.report() if loop.engine.tier.enabled else None
+            return (engine_stats(loop.engine, RequestLog(), tier), len(s.running),
+                    len(s.waiting), tier)
 
         try:
             stats, running, waiting, tier = await asyncio.wrap_future(loop.call(snapshot))

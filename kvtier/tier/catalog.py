@@ -15,7 +15,7 @@ import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from kvtier.tier.jobs import Miss, Reason
+from kvtier.tier.jobs import Reason
 from kvtier.tier.keys import Medium
 from kvtier.tier.load_policy import Decline
 from kvtier.tier.report import TierStats
@@ -209,16 +209,12 @@ def rows(report: TierStats) -> Iterator[Row]:
         for family, misses in ((MISS_BLOCKS, b.misses),
                                (WRITE_FAILURE_BLOCKS, b.write_failure_reasons)):
             for miss, n in misses.items():
-                yield Row(family, _miss_labels(miss), n)
+                yield Row(family, (miss.medium, miss.reason), n)
         disk = b.stores.get(Medium.DISK.value)
         if disk is not None and disk.capacity:
             yield Row(DISK_SLOTS, ("used",), disk.used)
             yield Row(DISK_SLOTS, ("capacity",), disk.capacity)
     yield from _tenant_rows(report)
-
-
-def _miss_labels(miss: Miss) -> tuple[LabelValue, ...]:
-    return miss.medium, miss.reason
 
 
 def _tenant_rows(report: TierStats) -> Iterator[Row]:
