@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.integrations.kit.counters import flat, merge, unnest
-from kvtier.tier import BY_VLLM_KEY, Label
+from kvtier.tier import BY_VLLM_KEY, Family, Label
 
 
 @dataclass
@@ -53,30 +53,30 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
         self._tenant_cap = int(extra.get("kv_tenant_labels", 16))
         self._tenants: OrderedDict[str, None] = OrderedDict()  # least recently counted first
-        self._families: dict[str, Any] = {}
-        for key, family in BY_VLLM_KEY.items():
-            self._families[key] = self._counter_cls(
+        self._families: dict[Family, Any] = {
+            family: self._counter_cls(
                 name=f"vllm:kvtier_{key}", documentation=family.doc,
                 labelnames=[*labelnames, *(label.value for label in family.labels)])
-        # (family key, its label values, engine) -> the bound counter
-        self._bound: dict[tuple[str, tuple[str, ...], int], Any] = {}
-        for key, family in BY_VLLM_KEY.items():  # at 0 from the start; labelled ones
-            if not family.labels:  # once they happen
+            for key, family in BY_VLLM_KEY.items()}
+        # (family, its label values, engine) -> the bound counter
+        self._bound: dict[tuple[Family, tuple[str, ...], int], Any] = {}
+        for family in self._families:  # at 0 from the start; labelled ones once they happen
+            if not family.labels:
                 for engine in per_engine_labelvalues:
-                    self._counter(key, (), engine)
+                    self._counter(family, (), engine)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for family, labels, value in unnest(transfer_stats_data):
-            if value > 0 and family.vllm is not None:
-                self._saw_tenant(family.vllm, labels)
-                counter = self._counter(family.vllm, labels, engine_idx)
+            if value > 0:
+                self._saw_tenant(family, labels)
+                counter = self._counter(family, labels, engine_idx)
                 if counter is not None:
                     counter.inc(value)
 
-    def _saw_tenant(self, key: str, labels: tuple[str, ...]) -> None:
+    def _saw_tenant(self, family: Family, labels: tuple[str, ...]) -> None:
         """A counter of a tenant's is about to count: it is the most recent tenant now, and
         past the cap the least recent one's series go."""
-        tenant = _tenant_of(key, labels)
+        tenant = _tenant_of(family, labels)
         if tenant is None or tenant == OTHER:
             return
         self._tenants[tenant] = None
@@ -84,27 +84,25 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         while len(self._tenants) > self._tenant_cap:
             gone, _ = self._tenants.popitem(last=False)
             for bound in [b for b in self._bound if _tenant_of(b[0], b[1]) == gone]:
-                family_key, values, engine = bound
-                labels_of_engine = self._engine_labels.get(engine, [])
-                remove = getattr(self._families[family_key], "remove", None)
+                bound_family, values, engine = bound
+                remove = getattr(self._families[bound_family], "remove", None)
                 if remove is not None:
-                    remove(*labels_of_engine, *values)
+                    remove(*self._engine_labels.get(engine, []), *values)
                 del self._bound[bound]
 
-    def _counter(self, key: str, labels: tuple[str, ...], engine_idx: int) -> Any:
-        bound = self._bound.get((key, labels, engine_idx))
+    def _counter(self, family: Family, labels: tuple[str, ...], engine_idx: int) -> Any:
+        bound = self._bound.get((family, labels, engine_idx))
         if bound is None:
             engine_labels = self._engine_labels.get(engine_idx)
-            if key not in self._families or engine_labels is None:
+            if family not in self._families or engine_labels is None:
                 return None
-            bound = self._bound[(key, labels, engine_idx)] = self._families[key].labels(
+            bound = self._bound[(family, labels, engine_idx)] = self._families[family].labels(
                 *engine_labels, *labels)
         return bound
 
 
-def _tenant_of(key: str, labels: tuple[str, ...]) -> str | None:
+def _tenant_of(family: Family, labels: tuple[str, ...]) -> str | None:
     """The tenant label value of a per-tenant family's series, else None."""
-    family = BY_VLLM_KEY.get(key)
-    if family is None or Label.TENANT not in family.labels:
+    if Label.TENANT not in family.labels:
         return None
     return labels[family.labels.index(Label.TENANT)]
