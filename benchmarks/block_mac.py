@@ -143,7 +143,7 @@ class Instance:
     """One tier worker over Redis (with or without a secret) holding `n` written blocks."""
 
     def __init__(self, url: str, n: int, secret: str | None) -> None:
-        config = TierConfig(kv_offloading_size=2 * n * BLOCK_NBYTES / GIB, remote_kv_url=url,
+        config = TierConfig.of(kv_offloading_size=2 * n * BLOCK_NBYTES / GIB, remote_kv_url=url,
                             remote_kv_secret=secret, remote_kv_read_gbps=1.0)
         config.validate()
         # kv: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]

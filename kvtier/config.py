@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier import TierConfig, check_bounds, check_types
+from kvtier.tier import TierConfig, check_bounds, check_types, store_aliases
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -159,6 +159,7 @@ class EngineConfig:
         owners = {name: "engine" for name in own}
         for section, section_cls in SECTIONS.items():
             owners.update({f.name: section for f in dataclasses.fields(section_cls)})
+        owners.update({name: "offload" for name in store_aliases()})  # the stores' flat knobs
         for key, value in knobs.items():
             if key not in owners:
                 known = ", ".join(sorted(owners))
@@ -166,8 +167,9 @@ class EngineConfig:
             sections[owners[key]][key] = value
         sections["engine"].setdefault("model", model)
         config = cls(
-            **{name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()},
-            **sections["engine"],
+            **{name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()
+               if name != "offload"},
+            offload=TierConfig.of(**sections["offload"]), **sections["engine"],
         )
         config.validate()
         return config
@@ -179,7 +181,22 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def knob_fields() -> list[dataclasses.Field[Any]]:
-    """Every flat knob, in a stable order (engine first), for the CLI and the server."""
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One flat knob as the CLI offers it: its name, its type as written, its default."""
+
+    name: str
+    type: str
+    default: Any
+
+
+def knob_fields() -> list[Knob]:
+    """Every flat knob, in a stable order (engine first, the stores' flat names last), for
+    the CLI and the server."""
     engine = [f for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
-    return engine + [f for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    fields = engine + [f for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    out = [Knob(f.name, str(f.type), f.default) for f in fields]
+    for alias, (kind, knob) in store_aliases().items():
+        [field] = [f for f in dataclasses.fields(kind.knobs_type) if f.name == knob]
+        out.append(Knob(alias, str(field.type), field.default))
+    return out

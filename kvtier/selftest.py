@@ -1,7 +1,7 @@
 """`kvtier selftest`: cold versus warm, checked. Conversations run twice on the same model:
 once never offloaded, once with every turn's KV forced down to host memory and woken back.
-With a disk or remote tier configured, the warm engine is also shut down and started again
-before every round of turns, so the state comes back from that tier across a restart.
+With a store below host configured, the warm engine is also shut down and started again
+before every round of turns, so the state comes back from that store across a restart.
 Outputs must agree token by token and every restored block byte for byte."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.model.runner import resolve_device
 from kvtier.sequence import SamplingParams
-from kvtier.tier import BlockKey, Residency
+from kvtier.tier import BlockKey, Residency, TierConfig, configured_stores, knob_names
 
 
 @dataclass
@@ -28,7 +28,7 @@ class SelftestReport:
     restored_tokens: int = 0
     demoted_blocks: int = 0
     blocks_compared: int = 0
-    restarts: int = 0  # warm engine shut down and started again (a disk or remote tier)
+    restarts: int = 0  # warm engine shut down and started again (a store below host)
     residency: dict[Residency, int] = field(default_factory=dict)  # warm turns by residency
     token_mismatches: list[str] = field(default_factory=list)
     byte_mismatches: list[str] = field(default_factory=list)
@@ -52,17 +52,17 @@ def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,
     # elsewhere tokens and KV bytes are still compared.
     invariant = resolve_device(knobs.get("device", "auto")).type == "cpu"
     common = {"batch_invariant": invariant, "num_device_blocks": 256, **knobs}
-    host_gib = common.pop("kv_offloading_size", 0.25)
-    deep = {k: common.pop(k) for k in DEEP_KNOBS if k in common}
-    if deep.get("kv_offload_dtype"):
+    # the reference has no tier: every tier knob (the stores' flat names too) is the warm's
+    tier = {"kv_offloading_size": 0.25,
+            **{k: common.pop(k) for k in knob_names() if k in common}}
+    if tier.get("kv_offload_dtype"):
         raise ConfigError("kvtier selftest checks exactness; kv_offload_dtype is lossy by "
                           "design (benchmarks/lossy.py measures how close it is)")
-    restart = bool(deep.get("disk_kv_size") or deep.get("remote_kv_url"))
+    restart = bool(configured_stores(TierConfig.of(**tier)))
     ref = LLMEngine(EngineConfig.from_knobs(model=loaded.source, **common), loaded=loaded)
 
     def warm_engine() -> LLMEngine:
-        return LLMEngine(EngineConfig.from_knobs(model=loaded.source,
-                                                 kv_offloading_size=host_gib, **common, **deep),
+        return LLMEngine(EngineConfig.from_knobs(model=loaded.source, **common, **tier),
                          loaded=loaded)
 
     tiered = warm_engine()
@@ -100,10 +100,6 @@ def run_selftest(loaded: LoadedModel, conversations: int = 4, turns: int = 3,
     finally:
         tiered.close()
     return report
-
-
-DEEP_KNOBS = ("disk_kv_path", "disk_kv_size", "disk_kv_max_gbps", "remote_kv_url",
-              "remote_kv_read_replicas", "remote_kv_ttl_s", "kv_offload_dtype")
 
 
 def _one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +61,16 @@ def hf_smollm2() -> Any:
 
 
 @pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The vLLM environment's python (tests/integrations; skipped without it outside CI)."""
-    from vllm_run import vllm_or_skip  # tests/integrations is on sys.path once collected
+def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The vLLM environment's python (tests/integrations; skipped without it outside CI),
+    with vLLM imported once in a process that forks each driver run (`vllm_run.py`)."""
+    from vllm_run import start_zygote, stop_zygote, vllm_or_skip  # on sys.path once collected
 
-    return vllm_or_skip()
+    python = vllm_or_skip()
+    zygote = start_zygote(python, tmp_path_factory.mktemp("zygote"))
+    yield python
+    if zygote is not None:
+        stop_zygote(zygote)
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,7 @@ from kvtier.tier.config import (
     TierConfig,
     check_fits,
     host_slot_count,
+    knob_names,
 )
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
@@ -84,6 +85,9 @@ from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy, LoadRule
 from kvtier.tier.match import FETCHING, NO_MATCH, Match, Prefetch, declines
 from kvtier.tier.outcome import RequestOutcome
 from kvtier.tier.planner import Calibration, Choice, Decision, Planner
+from kvtier.tier.registry import ConfiguredStore
+from kvtier.tier.registry import aliases as store_aliases
+from kvtier.tier.registry import configured as configured_stores
 from kvtier.tier.report import BelowReport, TenantCounts, TierStats, TransferCounts
 from kvtier.tier.residency import Residency
 from kvtier.tier.tenant_source import TenantSource, request_tenant, tenant_rule
@@ -127,6 +131,7 @@ __all__ = [
     "Calibration",
     "ChangeKind",
     "Choice",
+    "ConfiguredStore",
     "Decision",
     "Decline",
     "Event",
@@ -172,6 +177,7 @@ __all__ = [
     "check_bounds",
     "check_fits",
     "check_types",
+    "configured_stores",
     "counter_rows",
     "declines",
     "hash_blocks",
@@ -179,8 +185,10 @@ __all__ = [
     "host_slot_count",
     "host_slot_nbytes",
     "is_swap_key",
+    "knob_names",
     "label_text",
     "request_tenant",
+    "store_aliases",
     "swap_key",
     "tenant_rule",
 ]

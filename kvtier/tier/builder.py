@@ -28,7 +28,7 @@ from kvtier.tier.config import MIN_SECRET_NBYTES, TierConfig, host_slot_count, q
 from kvtier.tier.driver import Tier
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.io.block_mac import BlockMac
-from kvtier.tier.io.kind import StoreSite, configured_kinds
+from kvtier.tier.io.kind import StoreSite, configured_stores
 from kvtier.tier.io.store import SecondaryStore
 from kvtier.tier.io.thread import TierIO
 from kvtier.tier.layout import KVLayout
@@ -42,7 +42,8 @@ from kvtier.tier.worker import TierWorker
 log = logging.getLogger(__name__)
 MAX_SECRET_FILE_NBYTES = 4096  # a secret file holds one secret; more is the wrong file
 NO_SECRET_WARNING = (
-    "kvtier: the remote tier has no secret, so its blocks are checksummed, not authenticated: "
+    "kvtier: the shared stores have no secret, so their blocks are checksummed, not "
+    "authenticated: "
     "whoever can write to that store chooses the KV every kvtier instance on it serves. Set "
     "remote_kv_secret_file to a file holding the same random secret (at least 16 bytes, e.g. "
     "`head -c 32 /dev/urandom | base64 > FILE`) on every instance.")
@@ -65,8 +66,8 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
                          undo, tenancy=tenancy)
         stores: list[SecondaryStore] = []
         indexes: list[SecondaryIndex] = []
-        for kind in configured_kinds(config):
-            opened = kind.open_both(site)
+        for kind, knobs in configured_stores(config):
+            opened = kind.open_both(site, knobs)
             stores.append(opened.store)
             indexes.append(opened.index)
             calibration.tier_gbps[kind.medium.value] = opened.read_gbps
@@ -111,8 +112,8 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
         site = StoreSite(config, namespace, block_size, slot_bytes, encoding,
                          remote_mac(config, warn=False), undo, changes, tenancy)
         indexes: list[SecondaryIndex] = []
-        for kind in configured_kinds(config):
-            index, read_gbps = kind.open_books(site)
+        for kind, knobs in configured_stores(config):
+            index, read_gbps = kind.open_books(site, knobs)
             indexes.append(index)
             calibration.tier_gbps[kind.medium.value] = read_gbps
         manager = _manager(config, block_size,
@@ -146,7 +147,7 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
         host, link = _host_and_link(config, layout, faults, undo)
         site = StoreSite(config, namespace, block_size, host.slot_bytes, host.encoding, mac,
                          undo)
-        stores = [kind.open_bytes(site) for kind in configured_kinds(config)]
+        stores = [kind.open_bytes(site, knobs) for kind, knobs in configured_stores(config)]
         io = TierIO(host, namespace, stores, faults.below, faults.slow)
         undo.pop_all()
     return TierWorker(host, link, io)
@@ -181,7 +182,7 @@ def remote_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:
     """The MAC of the stores other instances share, from the configured secret (the file read
     now), or None; with such a store and no secret, `warn` logs once that the store is
     trusted blindly."""
-    if not any(kind.shared for kind in configured_kinds(config)):
+    if not any(kind.shared for kind, _ in configured_stores(config)):
         return None
     secret = _read_secret(config)
     if secret is None:

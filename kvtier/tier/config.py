@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ KV_OFFLOAD_DTYPES = ("int8", "fp8")
 MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
 SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
 GIB = 1024**3
-REMOTE_WRITE_TIMEOUT_S = 2.0  # `remote_write_timeout_s`'s default
 DAY_S = 86400.0  # `kv_retention_max_s`'s default: OpenAI's "24h" retention
 QUOTA_TIERS = ("host", "disk")  # the tiers whose books count blocks per tenant
 MAX_TENANT_CHARS = 256
@@ -92,13 +91,7 @@ BOUNDS: dict[str, Bounds] = {
     "load_copy_threads": (1, 256),
     "max_store_gbps": _RATE,
     "max_load_gbps": _RATE,
-    "disk_kv_size": (0.0, 2.0**24),  # GiB: 16 PiB of disk
-    "remote_kv_ttl_s": _SECONDS,
-    "disk_kv_max_gbps": _RATE,
-    "disk_kv_read_gbps": _RATE,
-    "remote_kv_read_gbps": _RATE,
     "fetch_deadline_s": (0.0, 3600.0),
-    "remote_write_timeout_s": (0.0, 600.0),
     "kv_retention_max_s": (0.0, 366 * DAY_S),
     "kv_tenant_labels": (1, 10_000),
 }
@@ -128,45 +121,25 @@ class TierConfig:
     # computes beside it); None: two where the machine has two cores. Layer-wise loads and
     # stores keep one thread: they run beside compute.
     load_copy_threads: int | None = None
-    # Tiers below host memory, staged through it (device -> host -> disk or Redis and back).
-    disk_kv_path: str | None = None  # directory of the disk tier's slot file (created 0700)
-    disk_kv_size: float = 0.0  # GiB of disk; 0 = no disk tier
-    # redis://[:password@]host:port[/db] (one server) or redis-cluster://h1:p1,h2:p2 (a Redis
-    # Cluster / Valkey cluster), shared by processes
-    remote_kv_url: str | None = None
-    # Cluster only: reads go to replicas too (safe: blocks are immutable and verified, a
-    # lagging replica can only lack one), which also serves a dead master's keys until its
-    # replica is promoted.
-    remote_kv_read_replicas: bool = False
-    remote_kv_ttl_s: float | None = None  # expire remote blocks after this long; None = never
-    # The remote tier's MAC secret (>= 16 bytes, the same on every instance sharing the store):
-    # a fetched block counts only with a valid MAC under it. Prefer the file (read when the
-    # tier is built): vLLM logs its kv-transfer config. The secret is never printed.
+    # The MAC secret of the stores instances share (>= 16 bytes, the same on every instance
+    # sharing them): a fetched block counts only with a valid MAC under it. Prefer the file
+    # (read when the tier is built): vLLM logs its kv-transfer config. Never printed.
     remote_kv_secret: str | None = field(default=None, repr=False)
     remote_kv_secret_file: str | None = None
-    # Cap on the disk tier's I/O (GB/s), to leave a shared disk to its other users (and to
-    # see how a slower device would serve); None: as fast as the disk goes.
-    disk_kv_max_gbps: float | None = None
-    # The planner's starting read rate (GB/s) of each tier below host; None: probed at start
-    # (a few blocks, cold). Either way it is refined from every fetch.
-    disk_kv_read_gbps: float | None = None
-    remote_kv_read_gbps: float | None = None
-    # The longest a wake waits on disk or Redis (seconds): a fetch gets 4x its predicted time
+    # The longest a wake waits on a store below host (seconds): a fetch gets 4x its predicted time
     # (at least 0.5 s) up to this cap, and what has not landed by then is recomputed (a miss,
     # reason "deadline"), and the planner recomputes from that tier until it recovers.
     fetch_deadline_s: float = FETCH_DEADLINE_S
-    # Seconds a write to the remote tier may wait for the store (each batch of up to 16 MB):
-    # longer than a read's, so a store starved of CPU (a loopback Redis beside tensor-parallel
-    # workers on a small machine) still keeps up. A write that times out is counted
-    # (write failures, reason "timeout") and logged.
-    remote_write_timeout_s: float = REMOTE_WRITE_TIMEOUT_S
     # Lossy demotion: blocks leave the device as int8 or fp8 with per-head scales (4x fewer
     # bytes than float32, 2x than 16-bit, on the host link, in host memory and below); None:
     # exact bytes.
     kv_offload_dtype: str | None = None
-    # Stores added as plug-ins (`registry.py`), by name, each with its own knobs, checked by
-    # the store: {"fs": {"path": "/mnt/shared/kv"}}. Walked after disk and Redis, in the
-    # registry's order.
+    # The stores below host memory, staged through it (device -> host -> store and back), by
+    # name, each with its own knobs, checked by that store (`registry.py`): {"disk": {"path":
+    # "/var/kvtier", "size": 100}, "redis": {"url": "redis://host:6379/0"}, "fs": {"path":
+    # "/mnt/shared/kv"}}, or a store of your own as {"my_pkg.kv:STORE": {...}}. Walked nearest
+    # first: disk, redis, fs, then your own. Their flat names (disk_kv_size, remote_kv_url,
+    # ...) are accepted by `TierConfig.of` and every client's config (registry.fold).
     kv_stores: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Retention a request may ask for (kvtier serve's `kv_retention_s` or OpenAI's
     # `prompt_cache_retention`, vLLM's `kv_transfer_params` `kvtier_retention_s`): the longest
@@ -198,14 +171,6 @@ class TierConfig:
             return self.load_copy_threads
         return min(2, os.cpu_count() or 1)
 
-    @property
-    def disk_enabled(self) -> bool:
-        return self.disk_kv_size > 0
-
-    @property
-    def remote_enabled(self) -> bool:
-        return bool(self.remote_kv_url)
-
     def validate(self) -> None:
         check_types(self)
         if self.kv_offloading_size < 0:
@@ -224,12 +189,11 @@ class TierConfig:
         TenantSource.parse(self.kv_tenant_from)
         self._validate_quotas()
         self._validate_deep_tiers()
-        registry.check(self)  # each store checks its own knobs
-        stores = registry.configured(self)
-        self._validate_secret(shared=any(kind.shared for kind in stores))
+        stores = registry.configured(self)  # each store checks its own knobs
+        self._validate_secret(shared=any(store.kind.shared for store in stores))
         if stores and not self.enabled:
             raise ConfigError(
-                f"the tiers below host ({', '.join(kind.name for kind in stores)}) are staged "
+                f"the tiers below host ({', '.join(s.kind.name for s in stores)}) are staged "
                 "through host memory: set kv_offloading_size (GiB of host memory) as well")
         check_bounds(self, BOUNDS)
 
@@ -244,8 +208,25 @@ class TierConfig:
 
     @property
     def retention_dir(self) -> str | None:
-        """Where retention deadlines are kept across restarts: the disk tier's directory."""
-        return self.disk_kv_path if self.disk_enabled else None
+        """Where retention deadlines are kept across restarts: the first directory a store
+        below host owns in this process alone (the disk tier's)."""
+        for store in registry.configured(self):
+            where: str | None = store.kind.state_dir(store.knobs)
+            if where is not None:
+                return where
+        return None
+
+    @classmethod
+    def of(cls, **knobs: Any) -> TierConfig:
+        """A config from flat knobs, the stores' flat names (`disk_kv_size`) moved into
+        `kv_stores`; ConfigError naming a knob that is none of the tier's."""
+        knobs = registry.fold(knobs)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(knobs) - names)
+        if unknown:
+            raise ConfigError(f"unknown tier knob(s) {', '.join(map(repr, unknown))}; the "
+                              f"tier's knobs are: {', '.join(sorted(knob_names()))}")
+        return cls(**knobs)
 
     def _validate_quotas(self) -> None:
         """The quota maps: tiers named as QUOTA_TIERS, sizes finite GiB >= 0, tenant names
@@ -263,12 +244,8 @@ class TierConfig:
     def _validate_deep_tiers(self) -> None:
         if not self.fetch_deadline_s > 0:
             raise ConfigError(f"fetch_deadline_s={self.fetch_deadline_s} must be > 0 seconds: "
-                              "the longest a wake waits on disk or Redis before the rest is "
+                              "the longest a wake waits on a store below host before the rest is "
                               f"recomputed (default {FETCH_DEADLINE_S:g})")
-        if not self.remote_write_timeout_s > 0:
-            raise ConfigError(f"remote_write_timeout_s={self.remote_write_timeout_s} must be > 0 "
-                              "seconds: how long a write waits for the remote tier (default "
-                              f"{REMOTE_WRITE_TIMEOUT_S:g})")
         if self.kv_offload_dtype is not None:
             if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
                 raise ConfigError(f"kv_offload_dtype={self.kv_offload_dtype!r} is not one of "
@@ -286,11 +263,16 @@ class TierConfig:
                               "remote_kv_secret_file (vLLM logs its kv-transfer config)")
         if (secret is not None or path is not None) and not shared:
             name = "remote_kv_secret" if secret is not None else "remote_kv_secret_file"
-            raise ConfigError(f"{name} is set but remote_kv_url is not (nor another store that "
-                              "instances share); it authenticates the shared store's blocks")
+            raise ConfigError(f"{name} is set but no store that instances share is configured "
+                              "in kv_stores; it authenticates those stores' blocks")
         if secret is not None and len(secret.encode()) < MIN_SECRET_NBYTES:
             raise ConfigError(f"remote_kv_secret is shorter than {MIN_SECRET_NBYTES} bytes; "
                               "use a long random one, e.g. `head -c 32 /dev/urandom | base64`")
         if path is not None and not path.strip():
             raise ConfigError("remote_kv_secret_file is blank; unset it or name the file "
                               "holding the secret")
+
+
+def knob_names() -> list[str]:
+    """Every knob `TierConfig.of` takes: its fields and the stores' flat names."""
+    return [f.name for f in fields(TierConfig)] + list(registry.aliases())

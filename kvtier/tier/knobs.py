@@ -12,12 +12,13 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError
 
 Bounds = tuple[float, float]  # inclusive [low, high]
+T = TypeVar("T")
 
 
 def check_types(config: Any) -> None:
@@ -34,13 +35,15 @@ def check_types(config: Any) -> None:
             raise ConfigError(f"{f.name}={value} must be a finite number")
 
 
-def check_bounds(config: Any, bounds: Mapping[str, Bounds]) -> None:
+def check_bounds(config: Any, bounds: Mapping[str, Bounds],
+                 named: Callable[[str], str] = str) -> None:
     """ConfigError for the first numeric field outside its inclusive `bounds` (None, the
-    "unset" of optional knobs, is never bounded)."""
+    "unset" of optional knobs, is never bounded); `named`: how the user wrote each knob."""
     for name, (low, high) in bounds.items():
         value = getattr(config, name)
         if isinstance(value, (int, float)) and not low <= value <= high:
-            raise ConfigError(f"{name}={_num(value)} must be in [{_num(low)}, {_num(high)}]")
+            raise ConfigError(f"{named(name)}={_num(value)} must be in "
+                              f"[{_num(low)}, {_num(high)}]")
 
 
 def _num(x: float) -> str:
@@ -68,3 +71,52 @@ def describe(hint: Any) -> str:
         return " or ".join(describe(h) for h in typing.get_args(hint))
     return {type(None): "null", float: "a number", int: "an integer", str: "a string",
             bool: "true or false"}.get(hint, str(hint))
+
+
+class Spelling:
+    """How a user named each of one store's knobs: its flat alias (`disk_kv_size`, the
+    names vLLM users have written since before `kv_stores`) or `kv_stores['disk']['size']`,
+    so every refusal names the knob as it was written."""
+
+    def __init__(self, store: str, aliases: Mapping[str, str], given: Mapping[str, str]
+                 ) -> None:
+        self._store, self._given = store, dict(given)
+        self._alias_of = {knob: alias for alias, knob in aliases.items()}
+        # a knob not given is named the way the others were
+        self._flat = any(key in aliases for key in given.values())
+
+    def __call__(self, knob: str) -> str:
+        if knob in self._given:
+            return self._given[knob]
+        if self._flat and knob in self._alias_of:
+            return self._alias_of[knob]
+        return f"kv_stores[{self._store!r}][{knob!r}]"
+
+
+def parse_store_knobs(cls: type[T], store: str, raw: Any, aliases: Mapping[str, str]
+                      ) -> tuple[T, Spelling]:
+    """One store's knobs (`kv_stores[store]`, keyed by knob or by flat alias) as its dataclass
+    `cls`, each of its declared type and finite; ConfigError naming the knob as written."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"kv_stores[{store!r}]={raw!r} must be an object of that store's "
+                          "knobs")
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in raw.items():
+        knob = aliases.get(key, key)
+        if knob not in fields:
+            raise ConfigError(f"kv_stores[{store!r}] has unknown knob {key!r}; its knobs are: "
+                              f"{', '.join(sorted(fields))}")
+        named = key if key in aliases else f"kv_stores[{store!r}][{key!r}]"
+        if knob in given:
+            raise ConfigError(f"{given[knob]} and {named} both set the {store} store's "
+                              f"{knob!r}; keep one")
+        if not fits(value, hints[knob]):
+            raise ConfigError(f"{named}={value!r} is a {type(value).__name__}; it must be "
+                              f"{describe(hints[knob])}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{named}={value} must be a finite number")
+        values[knob], given[knob] = value, named
+    return cls(**values), Spelling(store, aliases, given)

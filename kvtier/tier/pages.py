@@ -34,7 +34,7 @@ from kvtier.tier.io.block_format import (
     check,
     payload_checksum,
 )
-from kvtier.tier.io.kind import StoreSite, configured_kinds
+from kvtier.tier.io.kind import StoreSite, configured_stores
 from kvtier.tier.io.store import SecondaryStore, StoreMiss
 from kvtier.tier.jobs import Miss, Reason
 from kvtier.tier.keys import BlockKey, Medium
@@ -73,16 +73,15 @@ class PageStore:
     def open(cls, config: TierConfig, namespace: bytes, page_nbytes: int) -> PageStore:
         """Every store `config` names (ConfigError naming the knob); at least one."""
         config.validate()
-        kinds = configured_kinds(config)
-        if not kinds:
-            raise ConfigError(
-                "no store below host is configured: set disk_kv_path and disk_kv_size, "
-                "remote_kv_url, or kv_stores")
+        configured = configured_stores(config)
+        if not configured:
+            raise ConfigError("no store below host is configured: name one in kv_stores (or "
+                              "by its flat knobs)")
         with ExitStack() as undo:
             site = StoreSite(config, namespace, 0, page_nbytes, "", remote_mac(config), undo)
             stores = []
-            for kind in kinds:
-                opened = kind.open_both(site)
+            for kind, knobs in configured:
+                opened = kind.open_both(site, knobs)
                 stores.append(_Store(kind.name, opened.index, opened.store))
             return cls(stores, namespace, page_nbytes, undo.pop_all())
 

@@ -125,17 +125,22 @@ def test_another_secret_never_finds_the_blocks(tiny: LoadedModel, tmp_path: Path
     ({"fs": {"path": "/tmp/x", "fsync": "yes"}}, "true or false"),
     ({"fs": "/tmp/x"}, "object of that store's knobs"),
     ({"s3": {}}, "no store"),
-    ({"disk": {"path": "/tmp/x"}}, "disk_kv_path"),
+    ({"disk": {"path": "/tmp/x"}}, r"kv_stores\['disk'\]\['path'\] is set but "
+                                   r"kv_stores\['disk'\]\['size'\] is 0"),
+    ({"disk": {"path": "/tmp/x", "size": 1, "disk_kv_size": 2}}, "both set"),
+    ({"redis": {"url": "redis://h:1/0", "ttl": 3}}, "unknown knob 'ttl'"),
+    ({"tests.nowhere:STORE": {}}, "cannot be imported"),
+    ({"kvtier.tier.config:GIB": {}}, "no store kind"),
 ])
 def test_bad_knobs_are_config_errors_naming_them(stores: Any, why: str) -> None:
     with pytest.raises(ConfigError, match=why):
-        TierConfig(kv_offloading_size=1, kv_stores=stores).validate()
+        TierConfig.of(kv_offloading_size=1, kv_stores=stores).validate()
 
 
 def test_a_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="not a directory"):
-        TierConfig(kv_offloading_size=1, kv_stores={"fs": {"path": str(tmp_path / "f")}}
+        TierConfig.of(kv_offloading_size=1, kv_stores={"fs": {"path": str(tmp_path / "f")}}
                    ).validate()
     with pytest.raises(ConfigError, match="staged through host memory"):
-        TierConfig(kv_stores={"fs": {"path": str(tmp_path)}}).validate()
+        TierConfig.of(kv_stores={"fs": {"path": str(tmp_path)}}).validate()

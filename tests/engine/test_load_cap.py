@@ -61,4 +61,4 @@ def test_a_load_cap_below_the_prefills_pace_turns_wakes_into_counted_recomputes(
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "2", True, 1e9])
 def test_bad_load_caps_are_refused_by_name(bad: object) -> None:
     with pytest.raises(ConfigError, match="max_load_gbps"):
-        TierConfig(kv_offloading_size=1, max_load_gbps=bad).validate()
+        TierConfig.of(kv_offloading_size=1, max_load_gbps=bad).validate()

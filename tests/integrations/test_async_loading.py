@@ -65,7 +65,7 @@ def side(mode: AsyncLoading = AsyncLoading.AUTO) -> SchedulerSide:
     # a link of 1 MB/s, 1000 bytes a block: one block restores in 1 ms, recomputes in 40 ms
     cal = Calibration(link_gbps=1e-3, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
     host, ids = HostTier(16), job_ids()
-    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
+    manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, host, Planner(cal), 1000,
                           BelowHost(host, [], 1000, ids), ids)
     return SchedulerSide(manager, BS, FP.namespace, async_loading=mode)
 
@@ -127,7 +127,7 @@ BLOCK_BYTES = 2 * HEADS * BS * 2 * DIM * 4  # two layers, fp32
 
 def worker(max_load_gbps: float | None = None, fault: object = None
            ) -> tuple[WorkerSide, torch.Tensor]:
-    config = TierConfig(kv_offloading_size=8 * BLOCK_BYTES / GIB, max_load_gbps=max_load_gbps)
+    config = TierConfig.of(kv_offloading_size=8 * BLOCK_BYTES / GIB, max_load_gbps=max_load_gbps)
     expected = ExpectedLayout(NAMES, BLOCKS, (HEADS, BS, 2 * DIM), torch.float32, 8)
     faults = Faults(link=fault) if fault else Faults()
     ws = WorkerSide(config, expected, b"n" * 16, BS, faults)
@@ -204,7 +204,7 @@ def test_a_request_whose_load_failed_is_not_offered_again() -> None:
 
 
 def test_an_unregistered_worker_fails_an_async_load_and_reports_it_at_once() -> None:
-    config = TierConfig(kv_offloading_size=8 * BLOCK_BYTES / GIB)
+    config = TierConfig.of(kv_offloading_size=8 * BLOCK_BYTES / GIB)
     expected = ExpectedLayout(NAMES, BLOCKS, (HEADS, BS, 2 * DIM), torch.float32, 8)
     ws = WorkerSide(config, expected, b"n" * 16, BS)  # vLLM never registered its caches
     ws.load([load(3, (0, 1), (4, 5))], async_loads=[(3, "r")])

@@ -94,7 +94,7 @@ class Rig:
             keys = hash_blocks(FP.namespace(""), adopted, BS)
             disks[0].adopt((i, k, adopted[i * BS:(i + 1) * BS]) for i, k in enumerate(keys))
         below = BelowHost(tier, disks, 1000, ids)
-        manager = TierManager(TierConfig(kv_offloading_size=1), BS, tier, Planner(cal), 1000,
+        manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, tier, Planner(cal), 1000,
                               below, ids, self.log)
         self.vllm = Vllm()
         self.events = KVEvents(self.vllm.origin, BS, MEDIA, BlockStored, BlockRemoved,

@@ -28,7 +28,7 @@ def side(slots: int = 8, quotas: Quotas | None = None, max_s: float = 3600.0
          ) -> SchedulerSide:
     tenancy = Tenancy(quotas, max_s)
     host, ids = HostTier(slots, tenancy=tenancy), job_ids()
-    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(FAST), 1000,
+    manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, host, Planner(FAST), 1000,
                           BelowHost(host, [], 1000, ids), ids)
     return SchedulerSide(manager, BS, FP.namespace)
 
@@ -87,7 +87,7 @@ def test_refusals_come_from_the_tier_with_their_reason_and_are_counted() -> None
 
 def test_no_tenant_counts_as_default_and_tenant_labels_are_bounded() -> None:
     s = side(slots=16)
-    s.manager.config = TierConfig(kv_offloading_size=1, kv_tenant_labels=1)
+    s.manager.config = TierConfig.of(kv_offloading_size=1, kv_tenant_labels=1)
     finish(s, "a", PROMPT, "", None)
     finish(s, "b", [1, *PROMPT], "x|y", None)
     finish(s, "c", [2, *PROMPT], "z", None)

@@ -19,7 +19,7 @@ FAST = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s
 def side(slots: int = 8, windows: tuple[Window | None, ...] = (None,),
          cal: Calibration = FAST) -> SchedulerSide:
     host, ids = HostTier(slots), job_ids()
-    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
+    manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, host, Planner(cal), 1000,
                           BelowHost(host, [], 1000, ids), ids)
     return SchedulerSide(manager, BS, FP.namespace, windows=windows)
 
@@ -229,7 +229,7 @@ def test_after_a_reset_nothing_cached_before_is_restored_and_live_requests_store
     chain = ChainIdentity(FP)
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0)
     host, ids = HostTier(8), job_ids()
-    manager = TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), 1000,
+    manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, host, Planner(cal), 1000,
                           BelowHost(host, [], 1000, ids), ids)
     s = SchedulerSide(manager, BS, chain.seed)
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks

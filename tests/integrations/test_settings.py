@@ -16,7 +16,7 @@ from kvtier.integrations.vllm.settings import (
     prior,
     settings,
 )
-from kvtier.tier import TierConfig
+from kvtier.tier import TierConfig, store_aliases
 
 
 def tier_config(extra: dict[str, Any]) -> TierConfig:
@@ -33,15 +33,21 @@ def test_kvtier_knob_names_pass_through() -> None:
     assert not own.enable_residency_details  # opt-in, as vLLM's prompt token details
 
 
+def _numeric(hint: Any) -> bool:
+    return typing.get_origin(hint) is not dict and bool(  # a map's values are not a knob
+        set(typing.get_args(hint) or (hint,)) & {int, float})
+
+
 def _numeric_knobs() -> list[str]:
-    """The tier's numeric knobs and the engine policies' (refused under vLLM, and a hostile
-    value of one is refused by name before that)."""
+    """The tier's numeric knobs, the stores' (by their flat names) and the engine policies'
+    (refused under vLLM, and a hostile value of one is refused by name before that)."""
     names = []
     for cls in (TierConfig, OffloadPolicy):
         hints = typing.get_type_hints(cls)
-        names += [f.name for f in dataclasses.fields(cls)  # a map's values are not a knob
-                  if typing.get_origin(hints[f.name]) is not dict
-                  and set(typing.get_args(hints[f.name]) or (hints[f.name],)) & {int, float}]
+        names += [f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name])]
+    for alias, (kind, knob) in store_aliases().items():
+        if _numeric(typing.get_type_hints(kind.knobs_type)[knob]):
+            names.append(alias)
     return names
 
 

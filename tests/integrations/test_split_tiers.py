@@ -90,7 +90,7 @@ class Half:
 
 
 def disk(tmp_path: Path, **more: Any) -> TierConfig:
-    return TierConfig(kv_offloading_size=HOST_GIB, disk_kv_path=str(tmp_path / "kv"),
+    return TierConfig.of(kv_offloading_size=HOST_GIB, disk_kv_path=str(tmp_path / "kv"),
                       disk_kv_size=1e-3, disk_kv_read_gbps=2.0, **more)
 
 
@@ -171,7 +171,7 @@ def test_another_dtype_or_block_size_finds_nothing_on_disk(tmp_path: Path, chang
 
 
 def test_two_processes_share_one_redis(tmp_path: Path, redis_server: Any) -> None:
-    config = TierConfig(kv_offloading_size=HOST_GIB, remote_kv_url=redis_server.url,
+    config = TierConfig.of(kv_offloading_size=HOST_GIB, remote_kv_url=redis_server.url,
                         remote_kv_read_gbps=1.0)
     a = Half(config)
     b = Half(config, seed=1)  # both running at once, each with its own host pool
@@ -193,7 +193,7 @@ def test_a_later_retention_reaches_the_ttl_of_blocks_already_in_redis(
     """Blocks written to Redis under the plain TTL, retained by a later request that
     restores them from host: the scheduler side's renewal travels to the worker side like
     any job, and Redis keeps each block as long as the retention."""
-    config = TierConfig(kv_offloading_size=HOST_GIB, remote_kv_url=redis_server.url,
+    config = TierConfig.of(kv_offloading_size=HOST_GIB, remote_kv_url=redis_server.url,
                         remote_kv_ttl_s=30.0)
     a = Half(config)
     a.serve("a", PROMPT, [1, 2, 3, 4])

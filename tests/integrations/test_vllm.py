@@ -162,10 +162,11 @@ def disk_copy(written: Path, tmp_path: Path) -> dict[str, Any]:
 
 
 def serve_a(vllm_python: Path, smollm2_hf: Path, connector: dict[str, Any],
-            **spec: Any) -> dict[str, Any]:
+            env: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
     run = parse(run_vllm(vllm_python, smollm2_hf, {"connector": connector, "blocks": POOL,
                                                    "prompts": prompts()[:1], "metrics": True,
-                                                   **spec}, env=ONE_PROCESS).stdout)
+                                                   **spec}, env={**ONE_PROCESS, **(env or {})}
+                         ).stdout)
     return {**run["results"][0], "metrics": run["metrics"]}
 
 
@@ -185,7 +186,7 @@ def test_a_flipped_byte_on_disk_is_a_counted_miss_and_output_is_unchanged(
         tmp_path: Path) -> None:
     connector = disk_copy(written, tmp_path)
     a = prompts()[0]
-    flip_payload_byte(TierConfig(**connector), KV_BYTES_PER_BLOCK, 128, a[256:384])
+    flip_payload_byte(TierConfig.of(**connector), KV_BYTES_PER_BLOCK, 128, a[256:384])
     run = serve_a(vllm_python, smollm2_hf, connector)
     assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == 256
     assert run["metrics"]["vllm:kvtier_miss_blocks{reason=checksum,tier=disk}"] == 1
@@ -212,17 +213,21 @@ def test_a_second_vllm_hits_the_first_ones_prefix_through_a_redis_cluster(
     assert run["metrics"]["vllm:kvtier_fetched_blocks{tier=remote}"] == 7
 
 
-def test_a_second_vllm_wakes_the_prefix_from_a_shared_directory(
-        vllm_python: Path, smollm2_hf: Path, reference: list[dict], tmp_path: Path) -> None:
-    """A plug-in store under vLLM: its knobs come in kv_stores, the scheduler asks the
-    directory for presence, the worker reads the files into host rows."""
-    shared = {**HOST, "kv_stores": {"fs": {"path": str(tmp_path / "shared")}}}
-    first = serve_a(vllm_python, smollm2_hf, shared)
+@pytest.mark.parametrize("store, tier", [("fs", "fs"), ("sqlite_store:SQLITE", "sqlite")])
+def test_a_second_vllm_wakes_the_prefix_from_a_shared_store(
+        vllm_python: Path, smollm2_hf: Path, reference: list[dict], tmp_path: Path,
+        store: str, tier: str) -> None:
+    """A plug-in store under vLLM, kvtier's own (a shared directory) or one that lives in
+    tests/ and loads by module path: its knobs come in kv_stores, the scheduler asks the store
+    for presence, the worker reads its blocks into host rows."""
+    shared = {**HOST, "kv_stores": {store: {"path": str(tmp_path / "shared")}}}
+    env = {"PYTHONPATH": str(Path(__file__).parents[1])}  # tests/, where sqlite_store lives
+    first = serve_a(vllm_python, smollm2_hf, shared, env=env)
     assert first["tokens"] == reference[0]["tokens"]
-    assert first["metrics"]["vllm:kvtier_written_blocks{tier=fs}"] == 8
-    run = serve_a(vllm_python, smollm2_hf, shared)
+    assert first["metrics"][f"vllm:kvtier_written_blocks{{tier={tier}}}"] == 8
+    run = serve_a(vllm_python, smollm2_hf, shared, env=env)
     assert run["kv_transfer_params"]["kvtier_residency"] == "remote"
     assert run["kv_transfer_params"]["kvtier_restored_tokens"] == run["cached"] == FULL
     assert run["tokens"] == reference[-1]["tokens"]
     assert run["logprobs"] == reference[-1]["logprobs"]
-    assert run["metrics"]["vllm:kvtier_fetched_blocks{tier=fs}"] == 7
+    assert run["metrics"][f"vllm:kvtier_fetched_blocks{{tier={tier}}}"] == 7

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +17,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DRIVER = ROOT / "scripts" / "vllm_driver.py"
+ZYGOTE = ROOT / "scripts" / "vllm_zygote.py"
+ZYGOTE_SOCKET = "KVTIER_VLLM_ZYGOTE"  # the environment variable naming a running zygote
+RUN_TIMEOUT_S = 900
 # SmolLM2-135M in float32 on vLLM CPU, 128-token blocks: 30 layers x 3 KV heads x 128 x 2 x 64
 KV_BYTES_PER_BLOCK = 30 * 3 * 128 * 2 * 64 * 4
 MARK = "KVTIER_RESULT "
@@ -49,13 +54,64 @@ def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:  # prompts outgrow argv
         json.dump(spec, f)
         f.flush()
-        proc = subprocess.run(
-            [str(python), str(DRIVER), str(model), "@" + f.name], capture_output=True,
-            text=True, timeout=900, cwd=ROOT, env={**os.environ, **(env or {})})
+        argv = [str(DRIVER), str(model), "@" + f.name]
+        full_env = {**os.environ, **(env or {})}
+        zygote = os.environ.get(ZYGOTE_SOCKET)
+        if zygote and Path(python) == VLLM_PYTHON:
+            proc = forked_run(zygote, argv, full_env)
+        else:
+            proc = subprocess.run([str(python), *argv], capture_output=True, text=True,
+                                  timeout=RUN_TIMEOUT_S, cwd=ROOT, env=full_env)
     if check and proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
         raise AssertionError(f"vLLM driver exited {proc.returncode}")
     return proc
+
+
+def start_zygote(python: Path, directory: Path) -> subprocess.Popen[str] | None:
+    """vLLM imported once in a process that forks each run (`scripts/vllm_zygote.py`); its
+    socket is named in the environment for `run_vllm`. None where it would not start (each
+    run is then a process of its own, as before)."""
+    path = directory / "zygote.sock"
+    proc = subprocess.Popen([str(python), str(ZYGOTE), str(path)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        proc.wait()
+        return None
+    os.environ[ZYGOTE_SOCKET] = str(path)
+    return proc
+
+
+def stop_zygote(proc: subprocess.Popen[str]) -> None:
+    os.environ.pop(ZYGOTE_SOCKET, None)
+    proc.kill()
+    proc.wait()
+
+
+def forked_run(path: str, argv: list[str], env: dict[str, str]
+               ) -> subprocess.CompletedProcess[str]:
+    """One driver run forked by the zygote at `path`, as `subprocess.run` would answer it;
+    killed with whatever it started past RUN_TIMEOUT_S."""
+    with tempfile.TemporaryDirectory() as tmp, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        conn.connect(path)
+        with conn.makefile("rw") as stream:
+            stream.write(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT),
+                                     "stdout": str(out), "stderr": str(err)}) + "\n")
+            stream.flush()
+            pid = json.loads(stream.readline())["pid"]
+            conn.settimeout(RUN_TIMEOUT_S)
+            try:
+                line = stream.readline()
+            except TimeoutError:
+                os.killpg(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(argv, RUN_TIMEOUT_S) from None
+        rc = json.loads(line)["rc"]
+        return subprocess.CompletedProcess(argv, rc, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 def with_residency(connector: dict[str, Any]) -> dict[str, Any]:

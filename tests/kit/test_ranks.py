@@ -10,7 +10,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.integrations.kit.parallel import Split
 from kvtier.integrations.kit.ranks import RankResults
-from kvtier.tier import Fingerprint, Result, TierConfig
+from kvtier.tier import Fingerprint, Result, TierConfig, configured_stores
 
 
 def parallel(tp: int = 1, **sizes: int) -> SimpleNamespace:
@@ -20,12 +20,13 @@ def parallel(tp: int = 1, **sizes: int) -> SimpleNamespace:
 
 
 def test_each_rank_takes_an_equal_share_and_its_own_disk_directory() -> None:
-    config = TierConfig(kv_offloading_size=4.0, disk_kv_path="/var/kv", disk_kv_size=10.0)
+    config = TierConfig.of(kv_offloading_size=4.0, disk_kv_path="/var/kv", disk_kv_size=10.0)
     split = Split.of(parallel(tp=2))
     assert split.world_size == 2 and split.describe() == "tp=2"
     one = split.share(config, 1)
-    assert (one.kv_offloading_size, one.disk_kv_size, one.disk_kv_path) == (2.0, 5.0,
-                                                                           "/var/kv/rank1")
+    assert one.kv_offloading_size == 2.0
+    [disk] = configured_stores(one)
+    assert (disk.knobs.size, disk.knobs.path) == (5.0, "/var/kv/rank1")
     assert Split.of(parallel(tp=1)).share(config, 0) is config  # one worker: unchanged
     with pytest.raises(ConfigError, match="rank 2 is outside a world of 2"):
         split.share(config, 2)

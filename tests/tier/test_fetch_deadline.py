@@ -57,7 +57,7 @@ def manager(disk_gbps: float = 1.0, prefill: float = 100.0, clock: Clock | None 
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=prefill,
                       tier_gbps={"disk": disk_gbps, "remote": disk_gbps})
     planner = Planner(cal, clock=clock or Clock())
-    return TierManager(TierConfig(kv_offloading_size=1, **knobs), BS, host, planner, NBYTES,
+    return TierManager(TierConfig.of(kv_offloading_size=1, **knobs), BS, host, planner, NBYTES,
                        BelowHost(host, [tier], NBYTES, ids), ids)
 
 
@@ -98,13 +98,14 @@ def test_the_deadline_is_four_times_the_prediction_between_a_floor_and_the_cap()
 @pytest.mark.parametrize("bad", [-1.0, 0, math.nan, math.inf, "2", 1e9])
 def test_bad_timeout_knobs_are_config_errors(name: str, bad: object) -> None:
     with pytest.raises(ConfigError, match=name):
-        TierConfig(kv_offloading_size=1, **{name: bad}).validate()
+        TierConfig.of(kv_offloading_size=1, **{name: bad}).validate()
 
 
 def test_the_knobs_are_connector_keys_too() -> None:
     config, _ = settings({"kv_offloading_size": 1, "fetch_deadline_s": 0.75,
                           "remote_write_timeout_s": 5})
-    assert config.fetch_deadline_s == 0.75 and config.remote_write_timeout_s == 5
+    assert config.fetch_deadline_s == 0.75
+    assert config.kv_stores == {"redis": {"remote_write_timeout_s": 5}}  # the flat name kept
     with pytest.raises(ConfigError, match="kv_connector_extra_config fetch_deadline_s=-1"):
         settings({"kv_offloading_size": 1, "fetch_deadline_s": -1})
 

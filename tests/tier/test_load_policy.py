@@ -41,7 +41,7 @@ def test_a_bad_policy_is_a_clear_error(text, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         LoadPolicy.parse(text)
     with pytest.raises(ConfigError):
-        TierConfig(kv_offloading_size=1, load_policy=text).validate()
+        TierConfig.of(kv_offloading_size=1, load_policy=text).validate()
 
 
 def test_always_restores_what_the_planner_would_recompute_and_never_the_reverse() -> None:

@@ -35,7 +35,7 @@ def manager(slots: int = 2, calibration: Calibration = FAST, below: bool = False
     deep = BelowHost(host, tiers, NBYTES, ids)
     cal = Calibration(calibration.link_gbps, calibration.transfer_overhead_s,
                       calibration.prefill_tokens_per_s, tier_gbps={"disk": 10.0, "remote": 10.0})
-    return TierManager(TierConfig(kv_offloading_size=1, **knobs), BS, host, Planner(cal),
+    return TierManager(TierConfig.of(kv_offloading_size=1, **knobs), BS, host, Planner(cal),
                        NBYTES, deep, ids)
 
 

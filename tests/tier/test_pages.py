@@ -32,7 +32,7 @@ def config(tmp_path: Path, kind: str, url: str = "") -> TierConfig:
         knobs.update(kv_stores={"fs": {"path": str(tmp_path / "fs"), "read_gbps": 1.0}})
     else:
         knobs.update(remote_kv_url=url, remote_kv_read_gbps=1.0)
-    return TierConfig(**knobs)
+    return TierConfig.of(**knobs)
 
 
 @pytest.fixture(params=["disk", "fs", "redis"])
@@ -97,7 +97,7 @@ def test_a_damaged_page_is_a_miss_and_leaves(tmp_path: Path) -> None:
 
 def test_bad_calls_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no store below host"):
-        PageStore.open(TierConfig(kv_offloading_size=0.01), NS, PAGE)
+        PageStore.open(TierConfig.of(kv_offloading_size=0.01), NS, PAGE)
     a = PageStore.open(config(tmp_path, "fs"), NS, PAGE)
     try:
         with pytest.raises(ValueError, match="a page of 10 bytes"):

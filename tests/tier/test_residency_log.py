@@ -34,7 +34,7 @@ def manager(log: ResidencyLog | None, host_slots: int = 2, disk_slots: int = 0) 
     disk = [DiskTier(disk_slots, log=log)] if disk_slots else []
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=100.0,
                       tier_gbps={"disk": 10.0})
-    return TierManager(TierConfig(kv_offloading_size=1), BS, host, Planner(cal), NBYTES,
+    return TierManager(TierConfig.of(kv_offloading_size=1), BS, host, Planner(cal), NBYTES,
                        BelowHost(host, disk, NBYTES, ids), ids, log)
 
 

@@ -29,7 +29,7 @@ def manager() -> TierManager:
     host, disk = HostTier(10, tenancy=tenancy), DiskTier(20, tenancy=tenancy)
     planner = Planner(Calibration(link_gbps=10.0, transfer_overhead_s=0.0,
                                   prefill_tokens_per_s=1.0, tier_gbps={"disk": 1.0}))
-    return TierManager(TierConfig(kv_offloading_size=1), BS, host, planner, NBYTES,
+    return TierManager(TierConfig.of(kv_offloading_size=1), BS, host, planner, NBYTES,
                        BelowHost(host, [disk], NBYTES, ids), ids)
 
 

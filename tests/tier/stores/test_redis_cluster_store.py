@@ -70,10 +70,10 @@ def test_bad_cluster_urls_are_config_errors(url: str, why: str) -> None:
 
 def test_replica_reads_need_a_cluster_url() -> None:
     with pytest.raises(ConfigError, match="redis-cluster://"):
-        TierConfig(kv_offloading_size=1, remote_kv_url="redis://h:1/0",
+        TierConfig.of(kv_offloading_size=1, remote_kv_url="redis://h:1/0",
                    remote_kv_read_replicas=True).validate()
     with pytest.raises(ConfigError, match="bad port"):
-        TierConfig(kv_offloading_size=1, remote_kv_url="redis-cluster://h:p").validate()
+        TierConfig.of(kv_offloading_size=1, remote_kv_url="redis-cluster://h:p").validate()
 
 
 # -- a live cluster -----------------------------------------------------------------------

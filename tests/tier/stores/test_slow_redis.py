@@ -93,7 +93,7 @@ def manager(slot_bytes: int, exists: Callable[[Sequence[bytes]], list[bool]],
     below = BelowHost(host, [RemoteTier(RemotePresence(exists))], slot_bytes, ids)
     calibration = Calibration(link_gbps=10.0, transfer_overhead_s=0.0,
                               prefill_tokens_per_s=100.0, tier_gbps={"remote": 1.0})
-    return TierManager(TierConfig(kv_offloading_size=1), BS, host,
+    return TierManager(TierConfig.of(kv_offloading_size=1), BS, host,
                        Planner(calibration, slow_retry_s=slow_retry_s), slot_bytes, below, ids)
 
 

@@ -42,7 +42,7 @@ def test_bad_valkey_urls_are_config_errors_without_the_password() -> None:
     assert "hunter2" not in str(e.value)
     assert "hunter2" not in mask_url("valkey://:hunter2-hunter2@h:1/0")
     with pytest.raises(ConfigError, match="redis-cluster://"):
-        TierConfig(kv_offloading_size=1, remote_kv_url="valkey://h:1/0",
+        TierConfig.of(kv_offloading_size=1, remote_kv_url="valkey://h:1/0",
                    remote_kv_read_replicas=True).validate()
-    TierConfig(kv_offloading_size=1, remote_kv_url="valkey-cluster://h:1",
+    TierConfig.of(kv_offloading_size=1, remote_kv_url="valkey-cluster://h:1",
                remote_kv_read_replicas=True).validate()

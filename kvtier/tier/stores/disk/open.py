@@ -1,9 +1,9 @@
 """The disk tier reopened: its slot file, and its index rebuilt from the headers on it.
 
-  open_disk(config, ...)            the file (opened, locked) and its index; slots it cannot
+  open_disk(knobs, ...)             the file (opened, locked) and its index; slots it cannot
                                     take are invalidated
-  read_disk_index(config, ...)      that index alone, read only (the file is another's)
-  disk_geometry(config, ...)        (slots, header bytes): the same in every process
+  read_disk_index(knobs, ...)       that index alone, read only (the file is another's)
+  disk_geometry(knobs, ...)         (slots, header bytes): the same in every process
 A block of another fingerprint, encoding or size is never adopted, only counted by reason.
 """
 
@@ -11,31 +11,35 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.residency_log import ResidencyLog
 from kvtier.tier.books.tenancy import Tenancy
-from kvtier.tier.config import GIB, TierConfig
+from kvtier.tier.config import GIB
 from kvtier.tier.io.block_format import BlockHeader, max_header_nbytes
 from kvtier.tier.jobs import Reason
 from kvtier.tier.stores.disk.file import DiskStore, read_headers, round_up
 from kvtier.tier.stores.disk.index import DiskTier
 
+if TYPE_CHECKING:
+    from kvtier.tier.stores.disk.kind import DiskKnobs
+
 log = logging.getLogger(__name__)
 
 
-def open_disk(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
+def open_disk(knobs: DiskKnobs, policy: str, slot_bytes: int, encoding: str, namespace: bytes,
               block_size: int, residency: ResidencyLog | None = None,
               tenancy: Tenancy | None = None) -> tuple[DiskStore, DiskTier]:
     """The slot file, and its index rebuilt from the blocks a previous process left there
     (of `slot_bytes` and `encoding`, the host rows'; other blocks are invalidated)."""
-    num_slots, header = disk_geometry(config, slot_bytes, block_size)
-    store = DiskStore(str(config.disk_kv_path), num_slots, slot_bytes, header)
+    num_slots, header = disk_geometry(knobs, slot_bytes, block_size)
+    store = DiskStore(str(knobs.path), num_slots, slot_bytes, header)
     try:
         unusable: Counter[str] = Counter()
         found = store.scan(unusable)
-        tier, rejected = _adopt(config, found, unusable, num_slots, namespace, slot_bytes,
-                                encoding, residency, tenancy)
+        tier, rejected = _adopt(knobs, policy, found, unusable, num_slots, namespace,
+                                slot_bytes, encoding, residency, tenancy)
         for slot in rejected:
             store.invalidate(slot)
     except BaseException:
@@ -47,33 +51,33 @@ def open_disk(config: TierConfig, slot_bytes: int, encoding: str, namespace: byt
     return store, tier
 
 
-def read_disk_index(config: TierConfig, slot_bytes: int, encoding: str, namespace: bytes,
+def read_disk_index(knobs: DiskKnobs, policy: str, slot_bytes: int, encoding: str, namespace: bytes,
                     block_size: int, residency: ResidencyLog | None = None,
                     tenancy: Tenancy | None = None) -> DiskTier:
     """The disk tier's index from its file, read only: for the process that keeps the index
     while another owns the file (`open_disk` there adopts, and invalidates, the same slots).
     `residency`: where the index tells its residency changes (None: nowhere); `tenancy`:
     the owners and retention its blocks get back (a previous process's, saved)."""
-    num_slots, header = disk_geometry(config, slot_bytes, block_size)
+    num_slots, header = disk_geometry(knobs, slot_bytes, block_size)
     unusable: Counter[str] = Counter()
-    found = read_headers(str(config.disk_kv_path), num_slots, slot_bytes, header, unusable)
-    return _adopt(config, found, unusable, num_slots, namespace, slot_bytes, encoding,
+    found = read_headers(str(knobs.path), num_slots, slot_bytes, header, unusable)
+    return _adopt(knobs, policy, found, unusable, num_slots, namespace, slot_bytes, encoding,
                   residency, tenancy)[0]
 
 
-def disk_geometry(config: TierConfig, slot_bytes: int, block_size: int) -> tuple[int, int]:
+def disk_geometry(knobs: DiskKnobs, slot_bytes: int, block_size: int) -> tuple[int, int]:
     """(slots, header bytes) of the disk tier's file: the same in every process."""
     header = max_header_nbytes(block_size)
     probe_slot = round_up(header) + round_up(slot_bytes)
-    num_slots = int(config.disk_kv_size * GIB // probe_slot)
+    num_slots = int(knobs.size * GIB // probe_slot)
     if num_slots < 1:
         raise ConfigError(
-            f"disk_kv_size={config.disk_kv_size} GiB holds no block of {probe_slot:,} bytes; "
+            f"disk_kv_size={knobs.size} GiB holds no block of {probe_slot:,} bytes; "
             "raise it")
     return num_slots, header
 
 
-def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
+def _adopt(knobs: DiskKnobs, policy: str, found: list[tuple[int, BlockHeader]],
            unusable: Counter[str], num_slots: int, namespace: bytes, slot_bytes: int,
            encoding: str, residency: ResidencyLog | None = None,
            tenancy: Tenancy | None = None) -> tuple[DiskTier, list[int]]:
@@ -87,9 +91,9 @@ def _adopt(config: TierConfig, found: list[tuple[int, BlockHeader]],
             unusable[Reason.SIZE.value] += 1
         else:
             ours.append((slot, h.key, h.tokens))
-    tier = DiskTier(num_slots, config.eviction_policy, unusable, residency, tenancy)
+    tier = DiskTier(num_slots, policy, unusable, residency, tenancy)
     if unusable:
         log.warning("kvtier: disk tier %s holds blocks this process will not serve (%s): "
                     "written under another model, configuration or format, or damaged",
-                    config.disk_kv_path, ", ".join(f"{n} {r}" for r, n in unusable.items()))
+                    knobs.path, ", ".join(f"{n} {r}" for r, n in unusable.items()))
     return tier, tier.adopt(ours)
