@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import RequestError
-from kvtier.tier import MAX_EXPECT_RETURN_S, Residency
+from kvtier.tier import KvHints as KvHints  # re-exported: its home was here
+from kvtier.tier import Residency
 
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's threshold)
 MAX_TEMPERATURE = 100.0  # beyond it every token is equally likely: a caller's mistake
@@ -165,29 +166,6 @@ class SwapState:
 
 RESIDENCY_CLASSES = (Residency.RESIDENT, Residency.HOST, Residency.DISK, Residency.REMOTE,
                      Residency.RECOMPUTED, Residency.NEW)  # the order reports list them in
-
-
-@dataclass(frozen=True)
-class KvHints:
-    """What a client asks of its request's KV beyond this request: whose it is (quotas and
-    counters), how long to keep it (retention), and when it comes back (prefetch)."""
-
-    tenant: str = ""  # "" counts as the default tenant
-    retention_s: float | None = None  # keep the prefix this long, if granted
-    expect_return_s: float | None = None  # the session returns after about this long
-
-    def validate(self) -> None:
-        """RequestError for a value no client means: negative, zero, NaN or infinite."""
-        for name in ("retention_s", "expect_return_s"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or
-                                      not isinstance(value, (int, float)) or
-                                      not math.isfinite(value) or value <= 0):
-                raise RequestError(f"kv_{name}={value!r} must be a finite number of seconds "
-                                   "> 0 (or left out)")
-        if self.expect_return_s is not None and self.expect_return_s > MAX_EXPECT_RETURN_S:
-            raise RequestError(f"kv_expect_return_s={self.expect_return_s:g} is past the "
-                               f"longest hint kept ({MAX_EXPECT_RETURN_S:g} s)")
 
 
 @dataclass

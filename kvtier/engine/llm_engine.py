@@ -29,8 +29,8 @@ from kvtier.model.loader import load_model
 from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
-from kvtier.sequence import KvHints, Phase, SamplingParams, Sequence
-from kvtier.tier import BlockKey, Fingerprint, hash_blocks
+from kvtier.sequence import Phase, SamplingParams, Sequence
+from kvtier.tier import BlockKey, Fingerprint, KvHints, hash_blocks
 
 PromptType = str | list[int] | dict[str, Any]
 NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
@@ -118,7 +118,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         params.validate()
         hints = hints if hints is not None else KvHints()
-        hints.validate()
+        problem = hints.problem()
+        if problem is not None:
+            raise RequestError(problem)
         text, token_ids = self._checked_prompt(prompt)
         if strict_length and len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(

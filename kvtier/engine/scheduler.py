@@ -337,15 +337,12 @@ class Scheduler:
             full = min(full, cap // bs)
         keys = table.keys[:full]
         tokens = [seq.tokens(i * bs, (i + 1) * bs) for i in range(full)]
-        if self.policy.kv_write_policy is WritePolicy.WRITE_THROUGH or \
-                hints.retention_s is not None:
+        if self.policy.kv_write_policy is WritePolicy.WRITE_THROUGH or hints.stores:
             self.tier.store(table.block_ids[:full], keys, tokens, tenant=hints.tenant,
                             prefix=True)
-        if hints.retention_s is not None:
-            seq.retention = self.tier.retain(keys, hints.tenant, hints.retention_s).value
-        if hints.expect_return_s is not None:
-            self.tier.expect(seq.request_id, keys, tokens, hints.expect_return_s,
-                             hints.tenant)
+        reply = self.tier.answer(seq.request_id, hints, keys, tokens)
+        if reply.retention is not None:
+            seq.retention = reply.retention.value
 
     def abort(self, request_id: str) -> Sequence | None:
         fetching = self.fetching.pop(request_id, None)

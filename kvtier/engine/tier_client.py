@@ -26,6 +26,9 @@ from kvtier.tier import (
     Event,
     Faults,
     Grant,
+    Hint,
+    HintReply,
+    KvHints,
     KVLayout,
     Match,
     Prefetch,
@@ -143,15 +146,11 @@ class TierClient:
         self.pool.touch(blocks)  # the device bytes must outlive the copy
         return True
 
-    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
-        """Keep these blocks below the device until `seconds` from now, if granted."""
-        return self.manager.retain(keys, tenant, seconds)
-
-    def expect(self, request_id: str, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], after_s: float, tenant: str = "") -> Grant:
-        """This session (`tenant`'s) comes back `after_s` from now: have it on host by
-        then."""
-        return self.manager.expect(request_id, keys, tokens, after_s, tenant)
+    def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]]) -> HintReply:
+        """What the finished request's hints ask of its full blocks (retention, an expected
+        return), answered by the tier."""
+        return self.manager.answer(request_id, hints, keys, tokens)
 
     def stage_returns(self) -> None:
         self.manager.stage_returns()
@@ -338,12 +337,11 @@ class NullTier:
               evict_first: bool = False, tenant: str = "", prefix: bool = False) -> bool:
         return False
 
-    def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float) -> Grant:
-        return Grant(refused=Refusal.DISABLED)  # no tier (kv_offloading_size=0)
-
-    def expect(self, request_id: str, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]], after_s: float, tenant: str = "") -> Grant:
-        return Grant(refused=Refusal.DISABLED)
+    def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]]) -> HintReply:
+        off = Grant(refused=Refusal.DISABLED)  # no tier (kv_offloading_size=0)
+        return HintReply(off if hints.asks(Hint.RETENTION) else None,
+                         off if hints.asks(Hint.EXPECT_RETURN) else None)
 
     def stage_returns(self) -> None:
         pass

@@ -70,6 +70,7 @@ from kvtier.tier.config import (
 )
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
+from kvtier.tier.hints import Hint, HintReply, KvHints, seconds
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import (
     BlockKey,
@@ -140,9 +141,12 @@ __all__ = [
     "FetchDone",
     "Fingerprint",
     "Grant",
+    "Hint",
+    "HintReply",
     "Job",
     "KVLayout",
     "Kind",
+    "KvHints",
     "Label",
     "LoadDone",
     "LoadPolicy",
@@ -188,6 +192,7 @@ __all__ = [
     "knob_names",
     "label_text",
     "request_tenant",
+    "seconds",
     "store_aliases",
     "swap_key",
     "tenant_rule",

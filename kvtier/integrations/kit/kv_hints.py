@@ -17,24 +17,34 @@ due hint at its next step.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.tier import BlockKey, TierManager
+from kvtier.tier import BlockKey, Hint, KvHints, TierManager, seconds
 
 log = logging.getLogger(__name__)
 
-RETENTION = "kvtier_retention_s"
-EXPECT_RETURN = "kvtier_expect_return_s"
+PREFIX = "kvtier_"  # each hint's key: kvtier_retention_s, kvtier_expect_return_s
+RETENTION = PREFIX + Hint.RETENTION.value
+EXPECT_RETURN = PREFIX + Hint.EXPECT_RETURN.value
 INVALID = "refused:invalid"
 
 
-def seconds(value: object) -> float | None:
-    """`value` as seconds a client can mean (a finite number > 0, not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) and value > 0 else None
+def parse(asks: Mapping[str, Any] | None, tenant: str) -> KvHints:
+    """The tier's hints from a request's params (`tenant`: whose the request is); a value no
+    client means is named in `invalid`, never raised: the request is served anyway."""
+    if not isinstance(asks, Mapping):
+        return KvHints(tenant)
+    values: dict[str, float] = {}
+    invalid = set()
+    for hint in Hint:
+        if PREFIX + hint.value in asks:
+            value = seconds(asks[PREFIX + hint.value])
+            if value is None:
+                invalid.add(hint)
+            else:
+                values[hint.value] = value
+    return KvHints(tenant, invalid=frozenset(invalid), **values)
 
 
 class HintAnswers:
@@ -43,29 +53,17 @@ class HintAnswers:
 
     def __init__(self, manager: TierManager) -> None:
         self.manager = manager
-        self._warned: set[str] = set()  # the asks a bad value was logged for (once each)
+        self._warned: set[Hint] = set()  # the asks a bad value was logged for (once each)
 
     def answer(self, request_id: str, asks: Mapping[str, Any] | None, tenant: str,
                keys: Sequence[BlockKey], chunks: Sequence[Sequence[int]]) -> dict[str, Any]:
         """The answers to a finished request's asks; `keys` (covering `chunks`) are its full
         blocks, handed to the tier already (stored, or still storing)."""
-        if not isinstance(asks, Mapping):
-            return {}
-        out: dict[str, Any] = {}
-        if RETENTION in asks:
-            s = self._checked(RETENTION, asks[RETENTION])
-            out[RETENTION] = self.manager.retain(keys, tenant, s).value  # None: counted
-        if EXPECT_RETURN in asks:
-            s = self._checked(EXPECT_RETURN, asks[EXPECT_RETURN])
-            out[EXPECT_RETURN] = (INVALID if s is None
-                                  else self.manager.expect(request_id, keys, chunks, s,
-                                                           tenant).value)
-        return out
-
-    def _checked(self, name: str, value: object) -> float | None:
-        s = seconds(value)
-        if s is None and name not in self._warned:
-            self._warned.add(name)
-            log.warning("kvtier: %s=%r in kv_transfer_params is not a finite number of seconds "
-                        "> 0; answered %r (logged once)", name, value, INVALID)
-        return s
+        hints = parse(asks, tenant)
+        for hint in hints.invalid - self._warned:
+            self._warned.add(hint)
+            log.warning("kvtier: %s%s=%r in kv_transfer_params is not a finite number of "
+                        "seconds > 0; answered %r (logged once)", PREFIX, hint.value,
+                        asks[PREFIX + hint.value] if asks else None, INVALID)
+        reply = self.manager.answer(request_id, hints, keys, chunks)
+        return {PREFIX + hint.value: value for hint, value in reply.answers().items()}

@@ -12,6 +12,7 @@ Primitives, in the order a client calls them:
   finished(request)                 the request is gone: its per-request state is dropped
   prefetch(id, keys, tokens)        a prefix expected back soon: fetched up into host now
                                     (a FetchDone under `id`, then `finished(id)`)
+  answer(request_id, hints, ...)    what a finished request's hints ask (-> HintReply)
   retain(keys, tenant, seconds)     keep a stored prefix until a deadline (-> Grant)
   expect(id, keys, tokens, after_s) the session comes back then: watched, and what of it
                                     goes below host is fetched back up by
@@ -45,8 +46,9 @@ from kvtier.tier.books.prefetch_budget import PrefetchBudget
 from kvtier.tier.books.residency_log import ResidencyChange, ResidencyLog
 from kvtier.tier.books.returns import ExpectedReturns
 from kvtier.tier.books.state import PendingTransfer, RequestBooks
-from kvtier.tier.books.tenancy import Grant
+from kvtier.tier.books.tenancy import Grant, Refusal
 from kvtier.tier.config import TierConfig
+from kvtier.tier.hints import Hint, HintReply, KvHints
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
 from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
@@ -217,6 +219,21 @@ class TierManager:
         pending."""
         return self.fetch_up.prefetch(request_id, keys, tokens, self.host_hits(keys, tokens),
                                       tenant)
+
+    def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
+               tokens: Sequence[Sequence[int]]) -> HintReply:
+        """What a finished request's hints ask of its full blocks `keys` (covering `tokens`,
+        handed to the tier already: stored, or still storing), each asked hint answered."""
+        retention = expect = None
+        if hints.asks(Hint.RETENTION):  # an invalid value is counted with the refusals
+            retention = self.retain(keys, hints.tenant, None if Hint.RETENTION in hints.invalid
+                                    else hints.retention_s)
+        if hints.asks(Hint.EXPECT_RETURN):
+            after = hints.expect_return_s
+            expect = (Grant(refused=Refusal.INVALID)
+                      if after is None or Hint.EXPECT_RETURN in hints.invalid
+                      else self.expect(request_id, keys, tokens, after, hints.tenant))
+        return HintReply(retention, expect)
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None) -> Grant:
         """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted

@@ -1,0 +1,89 @@
+"""What a client asks of its request's KV beyond the request, as the tier takes it: one type
+every client's edge parses its own API's fields into (kvtier serve's body, vLLM's
+`kv_transfer_params`), and one call that answers it (`TierManager.answer`). A new hint is a
+field here, its answer in the manager, and one parser per API: no client mirrors another.
+
+A value no client means (negative, zero, NaN, infinite, a bool, a string) is the edge's to
+refuse: kvtier serve answers 400; an engine that cannot fail a request for it (vLLM) names the
+hint in `invalid`, and its answer is "refused:invalid", counted.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from kvtier.tier.books.returns import MAX_EXPECT_RETURN_S
+from kvtier.tier.books.tenancy import Grant
+
+
+class Hint(str, enum.Enum):
+    """Each thing a client may ask; its value is the field's name as APIs spell it."""
+
+    RETENTION = "retention_s"  # keep the prefix this long, if granted
+    EXPECT_RETURN = "expect_return_s"  # the session returns after about this long
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def seconds(value: object) -> float | None:
+    """`value` as seconds a client can mean (a finite number > 0, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+@dataclass(frozen=True)
+class KvHints:
+    """One request's asks: whose its KV is (quotas and counters), how long to keep it
+    (retention), when it comes back (prefetch); the hints asked with a value no client means
+    (`invalid`, answered refused)."""
+
+    tenant: str = ""  # "" counts as the default tenant
+    retention_s: float | None = None
+    expect_return_s: float | None = None
+    invalid: frozenset[Hint] = frozenset()
+
+    def problem(self) -> str | None:
+        """What is wrong with a value, in the client's words, or None (the edge that can
+        fail a request fails it with this)."""
+        for hint in Hint:
+            value = getattr(self, hint.value)
+            if hint in self.invalid or (value is not None and seconds(value) is None):
+                shown = "" if value is None else f"={value!r}"
+                return (f"kv_{hint.value}{shown} must be a finite number of seconds > 0 (or "
+                        "left out)")
+        if self.expect_return_s is not None and self.expect_return_s > MAX_EXPECT_RETURN_S:
+            return (f"kv_expect_return_s={self.expect_return_s:g} is past the longest hint "
+                    f"kept ({MAX_EXPECT_RETURN_S:g} s)")
+        return None
+
+    def asks(self, hint: Hint) -> bool:
+        """Whether the client asked `hint` (with a good value or not)."""
+        return hint in self.invalid or getattr(self, hint.value) is not None
+
+    @property
+    def stores(self) -> bool:
+        """Whether the request's full blocks must go down to host, whatever the engine's write
+        policy: a retention is asked of blocks the tier holds."""
+        return self.retention_s is not None
+
+
+@dataclass(frozen=True)
+class HintReply:
+    """What each asked hint got (None: not asked)."""
+
+    retention: Grant | None = None
+    expect_return: Grant | None = None
+
+    def answers(self) -> dict[Hint, float | str]:
+        """Each asked hint's answer as a response carries it: seconds granted, or
+        "refused:<reason>"."""
+        out: dict[Hint, float | str] = {}
+        if self.retention is not None:
+            out[Hint.RETENTION] = self.retention.value
+        if self.expect_return is not None:
+            out[Hint.EXPECT_RETURN] = self.expect_return.value
+        return out
