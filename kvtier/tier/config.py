@@ -23,7 +23,6 @@ MIN_SECRET_NBYTES = 16  # a remote_kv_secret shorter than this is refused
 SAFE_RAM_SHARE = 0.8  # a host pool may take at most this share of the RAM available at start
 GIB = 1024**3
 DAY_S = 86400.0  # `kv_retention_max_s`'s default: OpenAI's "24h" retention
-QUOTA_TIERS = ("host", "disk")  # the tiers whose books count blocks per tenant
 MAX_TENANT_CHARS = 256
 
 
@@ -43,13 +42,20 @@ def check_quota(knob: str, quota: Any) -> None:
     if not isinstance(quota, dict):
         raise ConfigError(f"{knob}={quota!r} must be an object of tier -> GiB, as "
                           '{"host": 0.5, "disk": 4}')
+    tiers = quota_tiers()
     for tier, gib in quota.items():
-        if tier not in QUOTA_TIERS:
+        if tier not in tiers:
             raise ConfigError(f"{knob} names the tier {tier!r}; quotas are per "
-                              f"{' and '.join(QUOTA_TIERS)}")
+                              f"{' and '.join(tiers)}")
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or \
                 not math.isfinite(gib) or gib < 0:
             raise ConfigError(f"{knob}[{tier!r}]={gib!r} must be a finite number of GiB >= 0")
+
+
+def quota_tiers() -> tuple[str, ...]:
+    """The tiers whose books count blocks per tenant: host, and each store of this process's
+    own (a shared store's blocks are every instance's)."""
+    return ("host", *(kind.name for kind in registry.built_in() if not kind.shared))
 
 
 def quota_blocks(quota: dict[str, float], slot_bytes: int) -> dict[str, int]:
@@ -229,7 +235,7 @@ class TierConfig:
         return cls(**knobs)
 
     def _validate_quotas(self) -> None:
-        """The quota maps: tiers named as QUOTA_TIERS, sizes finite GiB >= 0, tenant names
+        """The quota maps: tiers named as `quota_tiers`, sizes finite GiB >= 0, tenant names
         non-empty strings."""
         check_quota("kv_tenant_quota", self.kv_tenant_quota)
         if not isinstance(self.kv_tenant_quotas, dict):
