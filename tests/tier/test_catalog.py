@@ -122,3 +122,16 @@ def _report() -> TierStats:
     return TierStats(host=IndexStats(), transfers=TransferCounts(), calibration={},
                      prediction_error={}, below=below, declined={"slower": 3},
                      tenants={"alice": alice}, slot_bytes=1024)
+
+
+def test_the_operations_page_lists_every_family_as_the_catalog_declares_it() -> None:
+    # docs/operations.md's table is written from the catalog: a family added, renamed or
+    # re-documented without `python scripts/docs_metrics.py` fails here
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "scripts" / "docs_metrics.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
