@@ -29,13 +29,12 @@ from kvtier.tier.config import TierConfig
 from kvtier.tier.io.block_format import (
     MAX_KEY_NBYTES,
     BlockHeader,
-    CorruptBlock,
     as_bytes,
-    check,
     payload_checksum,
 )
 from kvtier.tier.io.kind import StoreSite, configured_stores
-from kvtier.tier.io.store import SecondaryStore, StoreMiss
+from kvtier.tier.io.store import SecondaryStore
+from kvtier.tier.io.verify import read_verified
 from kvtier.tier.jobs import Miss, Reason
 from kvtier.tier.keys import BlockKey, Medium
 
@@ -173,25 +172,17 @@ class PageStore:
         reads = s.blocks.reads(keys, rows)
         served, dropped = 0, []
         for key, slot, row in zip(keys, slots, rows):
-            try:
-                header, payload = reads.read(key, slot, row)
-                reason = check(header, namespace=self.namespace, key=key, tokens=(),
-                               payload=payload, mac=s.blocks.mac)
-            except CorruptBlock as e:
-                reason = e.reason
-            except StoreMiss as e:
-                self._miss(s.blocks.medium, e.reason)
+            verdict = read_verified(s.blocks, reads, key, slot, row, self.namespace, ())
+            if verdict.failure is not None:  # the store failed: the page is kept there
+                self._miss(s.blocks.medium, verdict.reason)
                 break
-            except OSError:
-                self._miss(s.blocks.medium, Reason.IO)
-                break
-            if reason is not None:
-                self._miss(s.blocks.medium, reason)
+            if verdict.bad:
+                self._miss(s.blocks.medium, verdict.reason)
                 s.blocks.discard(key, slot)
                 dropped.append(key)
                 break
-            if payload is not row:  # a view to copy once verified
-                row[:] = as_bytes(payload)
+            if verdict.payload is not None and verdict.payload is not row:
+                row[:] = as_bytes(verdict.payload)  # a view to copy once verified
             served += 1
         s.index.complete_fetch(keys, served, dropped, served == len(keys))
         self.counts.read += served

@@ -53,13 +53,12 @@ import torch
 from kvtier.tier.faults import MAX_DELAY_S, BelowFault, DelayFault, no_below_fault, no_delay
 from kvtier.tier.io.block_format import (
     BlockHeader,
-    CorruptBlock,
-    check,
     copy_into,
     payload_checksum,
     tensor_bytes,
 )
 from kvtier.tier.io.store import BlockReads, SecondaryStore, StoreMiss, batches
+from kvtier.tier.io.verify import read_verified
 from kvtier.tier.jobs import Job, Reason, Result
 from kvtier.tier.keys import Medium
 from kvtier.tier.link.host_pool import HostPool
@@ -377,19 +376,15 @@ class TierIO:
         """Read and verify one block into `row` (`out` its bytes): OK, or why not (a bad
         block goes on `bad`, to be discarded where it lives, so it is never read again; a
         failed medium keeps it)."""
-        try:
-            header, payload = reads.read(key, slot, out)
-            reason = check(header, namespace=self.namespace, key=key, tokens=tokens,
-                           payload=payload, mac=store.mac) or Reason.OK
-            if reason is Reason.OK:
-                if payload is not out:
-                    copy_into(row, payload)
-                return reason
-        except CorruptBlock as e:
-            reason = e.reason
-        except (OSError, StoreMiss) as e:
-            return self._failure(store.medium, e)
-        except ValueError:
-            reason = Reason.SIZE
-        bad.append((store, key, slot))
-        return reason
+        verdict = read_verified(store, reads, key, slot, out, self.namespace, tokens)
+        if verdict.failure is not None:
+            return self._failure(store.medium, verdict.failure)
+        if verdict.bad:
+            bad.append((store, key, slot))
+        elif verdict.payload is not None and verdict.payload is not out:
+            try:
+                copy_into(row, verdict.payload)
+            except ValueError:  # a view that does not fit its row
+                bad.append((store, key, slot))
+                return Reason.SIZE
+        return verdict.reason
