@@ -156,13 +156,13 @@ class Instance:
         self.io: list[float] = []
         self._ids = 0
         self.w.host.tensor[:n].normal_()
-        wrote = self._run(Medium.HOST, Medium.REMOTE, range(n))
+        wrote = self._run(Medium.HOST, Medium.REDIS, range(n))
         assert wrote.success, wrote.reasons
 
     def _run(self, src: Medium, dst: Medium, slots: range) -> Result:
         self._ids += 1
         job = Job(self._ids, src, dst, tuple(slots), keys=self.keys, tokens=self.tokens,
-                  media=(Medium.REMOTE,) * self.n, below_slots=(-1,) * self.n)
+                  media=(Medium.REDIS,) * self.n, below_slots=(-1,) * self.n)
         self.w.submit(job)
         assert self.w.io is not None
         while True:
@@ -173,7 +173,7 @@ class Instance:
     def fetch(self, record: bool = True) -> None:
         """One fetch of every block into the other half of the host rows, verified."""
         start = time.perf_counter()
-        got = self._run(Medium.REMOTE, Medium.HOST, range(self.n, 2 * self.n))
+        got = self._run(Medium.REDIS, Medium.HOST, range(self.n, 2 * self.n))
         wall = time.perf_counter() - start
         assert got.success, got.reasons
         if record:

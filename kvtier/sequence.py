@@ -164,7 +164,7 @@ class SwapState:
     num_computed: int
 
 
-RESIDENCY_CLASSES = (Residency.RESIDENT, Residency.HOST, Residency.DISK, Residency.REMOTE,
+RESIDENCY_CLASSES = (Residency.RESIDENT, Residency.HOST, Residency.DISK, Residency.SHARED,
                      Residency.RECOMPUTED, Residency.NEW)  # the order reports list them in
 
 

@@ -17,7 +17,7 @@ MANAGER_FACE = frozenset({
     "match", "allocated", "outcome", "store", "finished", "forget", "take_jobs", "apply",
     "report", "decide", "observe_prefill", "wait_presence", "busy", "below_host",
     "host_slots", "holds", "write_down_host", "config", "block_size", "block_bytes", "lossy",
-    "close", "take_residency_changes", "reset", "prefetch", "retain",
+    "close", "take_residency_changes", "reset", "prefetch", "answer", "retain",
     "expect", "stage_returns",
 })
 # kvtier/tier/worker.py's docstring

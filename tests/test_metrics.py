@@ -273,7 +273,7 @@ def test_deep_tier_traffic_and_every_refused_block_are_counted() -> None:
     below = below_report(
         written_blocks={"disk": 12, "remote": 4}, write_failures={"remote": 3},
         fetched_blocks={"disk": 6}, fetch_seconds={"disk": 0.5},
-        misses={Miss(Medium.DISK, Reason.CHECKSUM): 1, Miss(Medium.REMOTE, Reason.UNAVAILABLE): 2},
+        misses={Miss(Medium.DISK, Reason.CHECKSUM): 1, Miss(Medium.REDIS, Reason.UNAVAILABLE): 2},
         stores={"disk": IndexStats(used=12, capacity=100)})
     m.refresh(stats(HOST_TIER), tier=tier_report(below, slower=2))
     s = scrape(m)

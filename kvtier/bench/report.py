@@ -36,7 +36,7 @@ CONFIG_MARKERS = ("o", "^", "s", "D", "v", "x")
 TABLE_CAPTION = ("TTFT cells: p50 / p90 / p99 ms (n requests); split cells: queue / tier / "
                  "compute ms, p50 then p90")
 REFUSED_LISTED = 10
-OPTIONAL_CLASSES = (Residency.DISK, Residency.REMOTE)
+OPTIONAL_CLASSES = (Residency.DISK, Residency.SHARED)
 
 
 def classes_of(records: Sequence[dict[str, Any]]) -> list[str]:

@@ -14,7 +14,7 @@ from kvtier.sequence import SPLIT_PARTS
 from kvtier.stats import summarize
 from kvtier.tier import Residency
 
-BELOW_HOST = (Residency.DISK, Residency.REMOTE)
+BELOW_HOST = (Residency.DISK, Residency.SHARED)
 
 
 def split_summary(records: Sequence[dict[str, Any]], classes: Sequence[str]

@@ -57,7 +57,7 @@ def build(config: TierConfig, layout: KVLayout, namespace: bytes, block_size: in
     tokens per block; `prefill_tokens_per_s`: the client's measured prefill speed, the
     planner's starting recompute estimate; `faults`: what a test makes fail."""
     _enabled(config)
-    mac = remote_mac(config)  # a bad secret file stops the build before anything is allocated
+    mac = shared_mac(config)  # a bad secret file stops the build before anything is allocated
     with ExitStack() as undo:  # anything opened is closed again if a later step fails
         host, link = _host_and_link(config, layout, faults, undo)
         calibration = measure_link(link, host, prefill_tokens_per_s)
@@ -110,7 +110,7 @@ def build_scheduler_side(config: TierConfig, block_size: int, block_nbytes: int,
         # The store's namespace without the warning (the worker side gives it).
         tenancy = make_tenancy(config, slot_bytes)
         site = StoreSite(config, namespace, block_size, slot_bytes, encoding,
-                         remote_mac(config, warn=False), undo, changes, tenancy)
+                         shared_mac(config, warn=False), undo, changes, tenancy)
         indexes: list[SecondaryIndex] = []
         for kind, knobs in configured_stores(config):
             index, read_gbps = kind.open_books(site, knobs)
@@ -142,7 +142,7 @@ def build_worker_side(config: TierConfig, layout: KVLayout, namespace: bytes,
     the host pool and each store's bytes (the disk file opened, locked and its bad slots
     invalidated; the Redis connection its I/O thread reads and writes through)."""
     _enabled(config)
-    mac = remote_mac(config)
+    mac = shared_mac(config)
     with ExitStack() as undo:
         host, link = _host_and_link(config, layout, faults, undo)
         site = StoreSite(config, namespace, block_size, host.slot_bytes, host.encoding, mac,
@@ -178,7 +178,7 @@ def make_tenancy(config: TierConfig, slot_bytes: int) -> Tenancy:
                    RetentionFile(where) if where is not None else None)
 
 
-def remote_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:
+def shared_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:
     """The MAC of the stores other instances share, from the configured secret (the file read
     now), or None; with such a store and no secret, `warn` logs once that the store is
     trusted blindly."""

@@ -174,7 +174,7 @@ CATALOG: tuple[Family, ...] = (
 BY_VLLM_KEY: Mapping[str, Family] = {f.vllm: f for f in CATALOG if f.vllm is not None}
 # The stores kvtier ships: their series exist (at 0) wherever a family is labelled by tier
 # alone, so a dashboard sees 0 rather than no series when one is off.
-BUILT_IN_TIERS: tuple[Medium, ...] = (Medium.DISK, Medium.REMOTE)
+BUILT_IN_TIERS: tuple[Medium, ...] = (Medium.DISK, Medium.REDIS)
 # Label values always exported, at 0 until they count.
 ALWAYS_LABELLED: Mapping[Family, tuple[tuple[LabelValue, ...], ...]] = {
     **{f: tuple((m,) for m in BUILT_IN_TIERS) for f in CATALOG if f.labels == (Label.TIER,)},

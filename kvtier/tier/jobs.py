@@ -3,8 +3,8 @@
 A `Job` names its source and destination medium; the worker routes it by that pair:
     DEVICE -> HOST   store: device blocks into host slots
     HOST -> DEVICE   load: host slots into freshly allocated device blocks (maybe layerwise)
-    HOST -> DISK | REMOTE   write: host rows down to a deeper tier, one header per block
-    DISK | REMOTE -> HOST   fetch: blocks up into host rows, verified before they count
+    HOST -> a store below  write: host rows down to a deeper tier, one header per block
+    a store below -> HOST  fetch: blocks up into host rows, verified before they count
 Ids are assigned by the manager (one counter for every hop), so a client maps nothing.
 Events are what `TierManager.apply` hands back: `LoadDone` and `FetchDone` for the request
 that waits, `StoreDone` for whoever owns the device blocks (free or uncache them now).

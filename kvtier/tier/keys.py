@@ -28,7 +28,7 @@ class Medium(str):
     DEVICE: ClassVar[Medium]
     HOST: ClassVar[Medium]
     DISK: ClassVar[Medium]
-    REMOTE: ClassVar[Medium]
+    REDIS: ClassVar[Medium]
 
     def __new__(cls, name: str) -> Medium:
         medium = cls._interned.get(name)
@@ -65,7 +65,7 @@ class Medium(str):
 
 Medium.DEVICE, Medium.HOST = Medium("device"), Medium("host")
 Medium.DISK = Medium.declare("disk", shared=False)  # the local disk store's
-Medium.REMOTE = Medium.declare("remote", shared=True)  # the Redis / Valkey store's
+Medium.REDIS = Medium.declare("remote", shared=True)  # Redis / Valkey; its label stays "remote"
 
 
 def hash_block(parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:

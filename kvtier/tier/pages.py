@@ -24,7 +24,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.protocol import SecondaryIndex
-from kvtier.tier.builder import remote_mac
+from kvtier.tier.builder import shared_mac
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.block_format import (
     MAX_KEY_NBYTES,
@@ -77,7 +77,7 @@ class PageStore:
             raise ConfigError("no store below host is configured: name one in kv_stores (or "
                               "by its flat knobs)")
         with ExitStack() as undo:
-            site = StoreSite(config, namespace, 0, page_nbytes, "", remote_mac(config), undo)
+            site = StoreSite(config, namespace, 0, page_nbytes, "", shared_mac(config), undo)
             stores = []
             for kind, knobs in configured:
                 opened = kind.open_both(site, knobs)

@@ -19,7 +19,7 @@ class Residency(str, enum.Enum):
     RESIDENT = "resident"  # a device prefix hit
     HOST = "host"  # restored from host memory
     DISK = "disk"  # fetched up from disk to host, then restored
-    REMOTE = "remote"  # fetched up from the shared store to host, then restored
+    SHARED = "remote"  # fetched up from a store instances share, then restored (label kept)
     RECOMPUTED = "recomputed"  # it existed (or was declined, or its load failed): computed again
 
     def __str__(self) -> str:  # "host" in headers and messages, not "Residency.HOST"
@@ -31,7 +31,7 @@ class Residency(str, enum.Enum):
         store below host: disk for a local one, remote for a shared one)."""
         if medium in _FROM_MEDIUM:
             return _FROM_MEDIUM[medium]
-        return cls.REMOTE if medium.shared else cls.DISK
+        return cls.SHARED if medium.shared else cls.DISK
 
     @property
     def restored(self) -> bool:
@@ -43,4 +43,4 @@ _FROM_MEDIUM = {
     Medium.DEVICE: Residency.RESIDENT,
     Medium.HOST: Residency.HOST,
 }
-_RESTORED = frozenset({Residency.HOST, Residency.DISK, Residency.REMOTE})
+_RESTORED = frozenset({Residency.HOST, Residency.DISK, Residency.SHARED})

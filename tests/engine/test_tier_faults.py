@@ -244,7 +244,7 @@ def test_damaged_remote_block_is_a_miss(damage: str, tiny: LoadedModel,
     ids = written_remote(url)
     b = Engine(tiny, remote_kv_url=url)
     try:
-        store = b.engine.tier.worker.store(Medium.REMOTE).store
+        store = b.engine.tier.worker.store(Medium.REDIS).store
         name = store.key(b.keys(ids)[2])
         client = server.client()
         header, payload = unpack(client.get(name))

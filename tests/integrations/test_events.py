@@ -241,7 +241,7 @@ def test_only_host_and_disk_are_published() -> None:
     rig.serve("a", A)
     assert rig.take() == [stored(A, 0, 3)]
     first = hash_blocks(FP.namespace(""), A, BS)[0]
-    for medium in (Medium.REMOTE, Medium.DEVICE):
+    for medium in (Medium.REDIS, Medium.DEVICE):
         assert rig.events.take([ResidencyChange(first, medium, ChangeKind.STORED)]) == []
     # a change of one block of a chain is an event of its own, its parent named
     assert rig.events.take([ResidencyChange(first, Medium.HOST, ChangeKind.REMOVED)]) == [

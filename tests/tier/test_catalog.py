@@ -114,7 +114,7 @@ def _report() -> TierStats:
         fetched_blocks=empty, fetched_bytes=empty, fetch_seconds={},
         misses={Miss(Medium.DISK, Reason.CHECKSUM): 2}, refused=0, encoding="",
         stores={"disk": IndexStats(used=1, capacity=8)}, lookups_answered_absent=0,
-        write_failure_reasons={Miss(Medium.REMOTE, Reason.TIMEOUT): 1})
+        write_failure_reasons={Miss(Medium.REDIS, Reason.TIMEOUT): 1})
     alice = TenantCounts()
     alice.held["host"] = 4
     alice.evictions["host"] = 1

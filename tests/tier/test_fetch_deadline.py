@@ -20,7 +20,7 @@ from kvtier.tier.books import below as below_module
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, TierManager, job_ids
-from kvtier.tier.books.presence import RemotePresence, RemoteTier
+from kvtier.tier.books.presence import SharedBooks, SharedPresence
 from kvtier.tier.catalog import MISS_BLOCKS, WRITE_FAILURE_BLOCKS
 from kvtier.tier.config import TierConfig
 from kvtier.tier.deadline import DEADLINE_FLOOR_S, fetch_budget_s
@@ -52,7 +52,7 @@ def manager(disk_gbps: float = 1.0, prefill: float = 100.0, clock: Clock | None 
     disk's read rate and the prefill speed as given."""
     ids = job_ids()
     host = HostTier(8)
-    tier = (RemoteTier(RemotePresence(lambda keys: [False] * len(keys))) if remote
+    tier = (SharedBooks(SharedPresence(lambda keys: [False] * len(keys))) if remote
             else DiskTier(8))
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=prefill,
                       tier_gbps={"disk": disk_gbps, "remote": disk_gbps})
@@ -250,7 +250,7 @@ def test_failed_writes_are_counted_by_reason_and_logged_with_the_count(
 
     store_and_time_out(0)
     assert m.below.stats.write_failures == {"remote": 2}
-    assert m.below.stats.write_failure_reasons == {Miss(Medium.REMOTE, Reason.TIMEOUT): 2}
+    assert m.below.stats.write_failure_reasons == {Miss(Medium.REDIS, Reason.TIMEOUT): 2}
     [line] = [r.getMessage() for r in caplog.records]
     assert "2 block(s) failed to be written to the remote tier so far (timeout: 2)" in line
     assert "remote_write_timeout_s" in line
@@ -259,7 +259,7 @@ def test_failed_writes_are_counted_by_reason_and_logged_with_the_count(
     monkeypatch.setattr(below_module, "WRITE_LOG_S", 0.0)
     store_and_time_out(4)  # a minute later: logged again, with the count so far
     assert "6 block(s)" in caplog.records[-1].getMessage()
-    assert m.report().below.write_failure_reasons == {Miss(Medium.REMOTE, Reason.TIMEOUT): 6}
+    assert m.report().below.write_failure_reasons == {Miss(Medium.REDIS, Reason.TIMEOUT): 6}
 
 
 def test_the_new_reasons_reach_every_counter() -> None:

@@ -9,7 +9,7 @@ import time
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, NO_MATCH, RequestOutcome, TierManager, job_ids
-from kvtier.tier.books.presence import RemotePresence, RemoteTier
+from kvtier.tier.books.presence import SharedBooks, SharedPresence
 from kvtier.tier.config import TierConfig
 from kvtier.tier.jobs import FetchDone, Job, LoadDone, Miss, Reason, Result, StoreDone
 from kvtier.tier.keys import Medium, hash_blocks
@@ -31,7 +31,7 @@ def manager(slots: int = 2, calibration: Calibration = FAST, below: bool = False
     host = HostTier(slots)
     tiers = [DiskTier(8)] if below else []
     if below and exists is not None:
-        tiers.append(RemoteTier(RemotePresence(exists)))
+        tiers.append(SharedBooks(SharedPresence(exists)))
     deep = BelowHost(host, tiers, NBYTES, ids)
     cal = Calibration(calibration.link_gbps, calibration.transfer_overhead_s,
                       calibration.prefill_tokens_per_s, tier_gbps={"disk": 10.0, "remote": 10.0})
@@ -195,7 +195,7 @@ def test_remote_presence_is_asked_off_the_thread_and_the_request_asks_again() ->
     m.below.wait_presence(timeout=5)
     assert m.match("r", KEYS[:2], CHUNKS[:2]) is FETCHING
     [fetch] = m.take_jobs()
-    assert fetch.media == (Medium.REMOTE,) * 2 and fetch.src is Medium.REMOTE
+    assert fetch.media == (Medium.REDIS,) * 2 and fetch.src is Medium.REDIS
     m.close()
 
 
@@ -214,7 +214,7 @@ def test_an_unreachable_store_answers_absent() -> None:
 
 
 def test_a_presence_answer_that_comes_within_the_inline_wait_is_given_at_once() -> None:
-    presence = RemotePresence(lambda keys: [True] * len(keys), inline_wait_s=10.0)
+    presence = SharedPresence(lambda keys: [True] * len(keys), inline_wait_s=10.0)
     assert presence.ask(KEYS[:3]) == [True, True, True]  # no "ask again": no extra step
     assert not presence.pending
     presence.close()
@@ -227,7 +227,7 @@ def test_a_slow_store_costs_one_inline_wait_not_one_per_request() -> None:
         gate.wait(5)
         return [True] * len(keys)
 
-    presence = RemotePresence(exists, inline_wait_s=0.1)
+    presence = SharedPresence(exists, inline_wait_s=0.1)
     t = time.monotonic()
     assert presence.ask(KEYS[:1]) is None  # waited 100 ms, then "ask again"
     for i in range(1, 6):  # five more requests arrive: none of them waits

@@ -37,7 +37,7 @@ CHUNKS = [TOKENS[i * BS:(i + 1) * BS] for i in range(len(KEYS))]
 class DictTier:
     """A shared store in a dict: both sides of one tier below host, in one class."""
 
-    medium = Medium.REMOTE
+    medium = Medium.REDIS
     local = False
     expires = False
     pending = False
@@ -117,7 +117,7 @@ def tier(store: DictTier, tenancy: Tenancy | None = None
     ids = job_ids()
     index = HostTier(host.num_slots, tenancy=tenancy)
     cal = Calibration(link_gbps=10.0, transfer_overhead_s=0.0, prefill_tokens_per_s=1.0,
-                      tier_gbps={Medium.REMOTE.value: 10.0})
+                      tier_gbps={Medium.REDIS.value: 10.0})
     manager = TierManager(TierConfig.of(kv_offloading_size=1), BS, index, Planner(cal),
                           layout.block_nbytes, BelowHost(index, [store], host.slot_bytes, ids),
                           ids)
@@ -158,7 +158,7 @@ def test_a_store_of_one_class_serves_a_wake_byte_for_byte() -> None:
     events = wake(manager, worker, "r", [5, 6, 7])
     fetched = [e for e in events if isinstance(e, FetchDone)]
     loaded = [e for e in events if isinstance(e, LoadDone)]
-    assert fetched[0].fetched == 3 and fetched[0].source is Medium.REMOTE
+    assert fetched[0].fetched == 3 and fetched[0].source is Medium.REDIS
     assert loaded[0].success and loaded[0].num_blocks == 3
     assert torch.equal(kv[5:8], source[0:3])
     report = manager.report().below
@@ -179,7 +179,7 @@ def test_a_damaged_block_in_that_store_ends_the_prefix_and_leaves_it() -> None:
     events = wake(manager, worker, "r", [5, 6, 7])
     [fetched] = [e for e in events if isinstance(e, FetchDone)]
     assert (fetched.fetched, fetched.missed) == (1, 2)
-    assert manager.report().below.misses == {Miss(Medium.REMOTE, Reason.CHECKSUM): 1}
+    assert manager.report().below.misses == {Miss(Medium.REDIS, Reason.CHECKSUM): 1}
     assert KEYS[1] not in store.blobs and KEYS[2] in store.blobs  # the bad one left, alone
     worker.close()
 

@@ -3,7 +3,7 @@ presence is asked of it.
 
 Nothing here is authoritative: another process may write or expire a key at any time, so
 `lookup` asks the store and a hit is only a hint until the fetched header, tokens and
-checksum verify. The question goes to `RemotePresence`, a thread of its own: a scheduling
+checksum verify. The question goes to `SharedPresence`, a thread of its own: a scheduling
 step waits at most `INLINE_WAIT_S` on the network when it first asks (a local store answers
 by then: no extra engine step), and otherwise gets None ("ask again") until the answer is in.
 """
@@ -35,7 +35,7 @@ INLINE_WAIT_S = 0.003
 SLOW_BACKOFF_S = 1.0
 
 
-class RemotePresence:
+class SharedPresence:
     """Asks `exists` off the caller's thread; `ask` returns the answer once it is in."""
 
     def __init__(self, exists: ExistsFn, inline_wait_s: float = INLINE_WAIT_S) -> None:
@@ -108,14 +108,14 @@ class RemotePresence:
                 self._cond.notify_all()
 
 
-class RemoteTier:
+class SharedBooks:
     """Counters and in-flight writes of a shared store on `medium`; presence comes from
     `presence`; `expires`: the store drops blocks by itself (a TTL)."""
 
     local = False  # presence is the store's to say
     unusable_at_start: Mapping[str, int] = MappingProxyType({})  # nothing scanned at start
 
-    def __init__(self, presence: RemotePresence, medium: Medium = Medium.REMOTE,
+    def __init__(self, presence: SharedPresence, medium: Medium = Medium.REDIS,
                  expires: bool = False) -> None:
         self.presence, self.medium, self.expires = presence, medium, expires
         self._writing: set[BlockKey] = set()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvtier.tier import registry
-from kvtier.tier.books.presence import ExistsFn, RemotePresence, RemoteTier
+from kvtier.tier.books.presence import ExistsFn, SharedBooks, SharedPresence
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.config import TierConfig
 from kvtier.tier.keys import Medium
@@ -45,11 +45,11 @@ class StoreSite:
     tenancy: Tenancy | None = None  # owners and retention, shared by the manager's slot tiers
 
     def presence_books(self, exists: ExistsFn, medium: Medium, expires: bool = False
-                       ) -> RemoteTier:
+                       ) -> SharedBooks:
         """The books of a store other instances write: presence asked of it (`exists`) on a
         thread of its own, stopped by `undo` if the build fails later; `expires`: the store
         drops blocks by itself (a TTL)."""
-        books = RemoteTier(RemotePresence(exists), medium, expires)
+        books = SharedBooks(SharedPresence(exists), medium, expires)
         self.undo.callback(books.close)
         return books
 

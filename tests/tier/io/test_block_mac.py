@@ -188,14 +188,14 @@ def run(w: TierWorker, job: Job) -> Result:
 def put(w: TierWorker, blocks: list[torch.Tensor]) -> Result:
     for slot, block in enumerate(blocks):
         w.host.tensor[slot].copy_(block)
-    return run(w, Job(1, Medium.HOST, Medium.REMOTE, tuple(range(N)), keys=KEYS,
-                      tokens=TOKENS, media=(Medium.REMOTE,) * N, below_slots=(-1,) * N))
+    return run(w, Job(1, Medium.HOST, Medium.REDIS, tuple(range(N)), keys=KEYS,
+                      tokens=TOKENS, media=(Medium.REDIS,) * N, below_slots=(-1,) * N))
 
 
 def get(w: TierWorker) -> Result:
     w.host.tensor[4:4 + N].zero_()
-    return run(w, Job(2, Medium.REMOTE, Medium.HOST, tuple(range(4, 4 + N)), keys=KEYS,
-                      tokens=TOKENS, media=(Medium.REMOTE,) * N, below_slots=(-1,) * N))
+    return run(w, Job(2, Medium.REDIS, Medium.HOST, tuple(range(4, 4 + N)), keys=KEYS,
+                      tokens=TOKENS, media=(Medium.REDIS,) * N, below_slots=(-1,) * N))
 
 
 def instance(url: str, **knobs: Any) -> TierWorker:

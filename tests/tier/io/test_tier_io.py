@@ -31,7 +31,7 @@ WRITE_S = 0.05  # each store.write call: a slow disk
 class SlowStore:
     """A dict-backed store whose writes take WRITE_S a call and are recorded."""
 
-    medium = Medium.REMOTE
+    medium = Medium.REDIS
     mac = None
 
     def __init__(self) -> None:
@@ -82,20 +82,20 @@ def test_a_fetch_goes_between_two_pieces_of_a_write(monkeypatch: pytest.MonkeyPa
     tier = TierIO(host, NS, [store])
     try:
         # Two blocks are below already; six more go down in one write-on job.
-        first = Job(1, Medium.HOST, Medium.REMOTE, (0, 1), keys=tuple(KEYS[:2]),
-                    tokens=tuple(CHUNKS[:2]), media=(Medium.REMOTE,) * 2, below_slots=(-1, -1))
+        first = Job(1, Medium.HOST, Medium.REDIS, (0, 1), keys=tuple(KEYS[:2]),
+                    tokens=tuple(CHUNKS[:2]), media=(Medium.REDIS,) * 2, below_slots=(-1, -1))
         tier.submit(first)
         tier.wait_any(5)
         store.writing.clear()
         expected = host.tensor[0:2].clone()
-        write = Job(2, Medium.HOST, Medium.REMOTE, (2, 3, 4, 5, 6, 7), keys=tuple(KEYS[2:]),
-                    tokens=tuple(CHUNKS[2:]), media=(Medium.REMOTE,) * 6,
+        write = Job(2, Medium.HOST, Medium.REDIS, (2, 3, 4, 5, 6, 7), keys=tuple(KEYS[2:]),
+                    tokens=tuple(CHUNKS[2:]), media=(Medium.REDIS,) * 6,
                     below_slots=(-1,) * 6)
         tier.submit(write)
         assert store.writing.wait(5)
         began = time.perf_counter()
-        fetch = Job(3, Medium.REMOTE, Medium.HOST, (6, 7), keys=tuple(KEYS[:2]),
-                    tokens=tuple(CHUNKS[:2]), media=(Medium.REMOTE,) * 2, below_slots=(-1, -1))
+        fetch = Job(3, Medium.REDIS, Medium.HOST, (6, 7), keys=tuple(KEYS[:2]),
+                    tokens=tuple(CHUNKS[:2]), media=(Medium.REDIS,) * 2, below_slots=(-1, -1))
         tier.submit(fetch)
         done: dict[int, Any] = {}
         while len(done) < 2:
@@ -122,16 +122,16 @@ def test_after_a_fetch_writes_wait_out_the_wake(monkeypatch: pytest.MonkeyPatch)
     store = SlowStore()
     tier = TierIO(host, NS, [store])
     try:
-        tier.submit(Job(1, Medium.HOST, Medium.REMOTE, (0,), keys=(KEYS[0],),
-                        tokens=(CHUNKS[0],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        tier.submit(Job(1, Medium.HOST, Medium.REDIS, (0,), keys=(KEYS[0],),
+                        tokens=(CHUNKS[0],), media=(Medium.REDIS,), below_slots=(-1,)))
         tier.wait_any(5)
         store.writing.clear()
-        tier.submit(Job(2, Medium.REMOTE, Medium.HOST, (1,), keys=(KEYS[0],),
-                        tokens=(CHUNKS[0],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        tier.submit(Job(2, Medium.REDIS, Medium.HOST, (1,), keys=(KEYS[0],),
+                        tokens=(CHUNKS[0],), media=(Medium.REDIS,), below_slots=(-1,)))
         [fetched] = tier.wait_any(5)
         landed = time.perf_counter()
-        tier.submit(Job(3, Medium.HOST, Medium.REMOTE, (2,), keys=(KEYS[1],),
-                        tokens=(CHUNKS[1],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        tier.submit(Job(3, Medium.HOST, Medium.REDIS, (2,), keys=(KEYS[1],),
+                        tokens=(CHUNKS[1],), media=(Medium.REDIS,), below_slots=(-1,)))
         assert store.writing.wait(5)
         began = time.perf_counter() - landed
         [written] = tier.wait_any(5)
@@ -166,12 +166,12 @@ def test_a_fetch_queued_behind_a_hung_call_fails_at_its_deadline(wait: str) -> N
     store = HungStore()
     tier = TierIO(host, NS, [store])
     try:
-        tier.submit(Job(1, Medium.HOST, Medium.REMOTE, (0,), keys=(KEYS[0],),
-                        tokens=(CHUNKS[0],), media=(Medium.REMOTE,), below_slots=(-1,)))
+        tier.submit(Job(1, Medium.HOST, Medium.REDIS, (0,), keys=(KEYS[0],),
+                        tokens=(CHUNKS[0],), media=(Medium.REDIS,), below_slots=(-1,)))
         assert store.writing.wait(5)
         began = time.monotonic()
-        tier.submit(Job(2, Medium.REMOTE, Medium.HOST, (1, 2), keys=tuple(KEYS[:2]),
-                        tokens=tuple(CHUNKS[:2]), media=(Medium.REMOTE,) * 2,
+        tier.submit(Job(2, Medium.REDIS, Medium.HOST, (1, 2), keys=tuple(KEYS[:2]),
+                        tokens=tuple(CHUNKS[:2]), media=(Medium.REDIS,) * 2,
                         below_slots=(-1, -1), budget_s=0.2))
         results = []
         while not results and time.monotonic() - began < 5:

@@ -21,14 +21,14 @@ from kvtier.tier import KVLayout, Medium
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier
 from kvtier.tier.books.manager import FETCHING, Match, TierManager, job_ids
-from kvtier.tier.books.presence import RemotePresence, RemoteTier
+from kvtier.tier.books.presence import SharedBooks, SharedPresence
 from kvtier.tier.config import TierConfig
 from kvtier.tier.io.thread import TierIO
 from kvtier.tier.jobs import Job, Miss, Reason, Result
 from kvtier.tier.keys import hash_blocks
 from kvtier.tier.link.host_pool import HostPool
 from kvtier.tier.planner import Calibration, Planner
-from kvtier.tier.stores.redis.blocks import RemoteBlocks
+from kvtier.tier.stores.redis.blocks import RedisBlocks
 from kvtier.tier.stores.redis.cluster_store import ClusterStore
 from kvtier.tier.stores.redis.store import RedisStore
 from kvtier.tier.stores.redis.unavailable import RemoteTimeout
@@ -59,12 +59,12 @@ def host_pool() -> HostPool:
 def write_both(host: HostPool, url: str) -> None:
     """Prefixes A and B written to Redis at full speed, through the tier's own write path."""
     store = RedisStore(url, NS)
-    io = TierIO(host, NS, [RemoteBlocks(store, None, host.slot_bytes)])
+    io = TierIO(host, NS, [RedisBlocks(store, None, host.slot_bytes)])
     try:
         for job_id, (name, rows) in enumerate((("A", range(N)), ("B", range(N, 2 * N)))):
-            io.submit(Job(job_id, Medium.HOST, Medium.REMOTE, tuple(rows),
+            io.submit(Job(job_id, Medium.HOST, Medium.REDIS, tuple(rows),
                           keys=tuple(KEYS[name]), tokens=tuple(CHUNKS[name]),
-                          media=(Medium.REMOTE,) * N, below_slots=(-1,) * N))
+                          media=(Medium.REDIS,) * N, below_slots=(-1,) * N))
             [written] = io.wait_any(5)
             assert written.success
     finally:
@@ -90,7 +90,7 @@ def manager(slot_bytes: int, exists: Callable[[Sequence[bytes]], list[bool]],
     tokens a second (so restoring 32 tokens' 18 KB wins by far, until Redis is slow)."""
     ids = job_ids()
     host = HostTier(2 * N)
-    below = BelowHost(host, [RemoteTier(RemotePresence(exists))], slot_bytes, ids)
+    below = BelowHost(host, [SharedBooks(SharedPresence(exists))], slot_bytes, ids)
     calibration = Calibration(link_gbps=10.0, transfer_overhead_s=0.0,
                               prefill_tokens_per_s=100.0, tier_gbps={"remote": 1.0})
     return TierManager(TierConfig.of(kv_offloading_size=1), BS, host,
@@ -138,7 +138,7 @@ def test_a_trickling_redis_is_cut_at_the_wakes_deadline(
     write_both(host, server.url)
     fast = Presence(server.url)  # presence is asked of the server directly
     slow = RedisStore(proxy.url, NS, retry_after_s=60.0)
-    io = TierIO(host, NS, [RemoteBlocks(slow, None, host.slot_bytes)])
+    io = TierIO(host, NS, [RedisBlocks(slow, None, host.slot_bytes)])
     m = manager(host.slot_bytes, fast.exists_many)
     try:
         proxy.rate = RATE
@@ -153,8 +153,8 @@ def test_a_trickling_redis_is_cut_at_the_wakes_deadline(
             assert torch.equal(host.tensor[job.host_slots[i]], blocks[i])
         assert slow._direct is not None and slow._direct._sock is None  # cut: retired
         [done] = m.apply([result])
-        assert (done.fetched, done.missed, done.slow) == (landed, N - landed, Medium.REMOTE)
-        assert m.below.stats.misses == {Miss(Medium.REMOTE, Reason.DEADLINE): N - landed}
+        assert (done.fetched, done.missed, done.slow) == (landed, N - landed, Medium.REDIS)
+        assert m.below.stats.misses == {Miss(Medium.REDIS, Reason.DEADLINE): N - landed}
         # The next wake from Redis recomputes: one late fetch moved the planner, and the
         # tokens it found there are counted declined (the slow store is asked, not read).
         match = matched(m, "b", "B")
@@ -164,9 +164,9 @@ def test_a_trickling_redis_is_cut_at_the_wakes_deadline(
         # without a byte to the slow server.
         requested, accepted = proxy.requested, proxy.accepted
         free = [s for s in range(2 * N) if s not in job.host_slots[:landed]][:2]
-        refused, took = run(io, Job(99, Medium.REMOTE, Medium.HOST, tuple(free),
+        refused, took = run(io, Job(99, Medium.REDIS, Medium.HOST, tuple(free),
                                     keys=tuple(KEYS["B"][:2]), tokens=tuple(CHUNKS["B"][:2]),
-                                    media=(Medium.REMOTE,) * 2, below_slots=(-1, -1),
+                                    media=(Medium.REDIS,) * 2, below_slots=(-1, -1),
                                     budget_s=0.5))
         assert refused.reasons == (Reason.UNAVAILABLE, Reason.SKIPPED) and took < 0.1
         assert (proxy.requested, proxy.accepted) == (requested, accepted)
@@ -188,13 +188,13 @@ def test_a_store_that_recovers_is_used_again_without_a_restart(
     write_both(host, server.url)
     fast = RedisStore(server.url, NS)
     slow = RedisStore(proxy.url, NS, retry_after_s=0.3)
-    io = TierIO(host, NS, [RemoteBlocks(slow, None, host.slot_bytes)])
+    io = TierIO(host, NS, [RedisBlocks(slow, None, host.slot_bytes)])
     m = manager(host.slot_bytes, fast.exists_many, slow_retry_s=0.5)
     try:
         proxy.rate = RATE
         _, late, _ = wake(m, io, "a", "A")
         [done] = m.apply([late])
-        assert done.slow is Medium.REMOTE
+        assert done.slow is Medium.REDIS
         assert matched(m, "b", "B").load_keys == () and m.take_jobs() == []  # recompute
         proxy.rate = None  # the store recovers
         time.sleep(0.6)  # past the planner's cool-down and the breaker's window
@@ -223,17 +223,17 @@ def test_a_trickling_cluster_node_is_cut_at_the_deadline_and_its_breaker_opens(
     hasty = ClusterStore(url, NS)  # writes wait as long as reads: 0.5 s
     host = host_pool()
     blocks = host.tensor[:N].clone()
-    io = TierIO(host, NS, [RemoteBlocks(store, None, host.slot_bytes)])
-    fetch = Job(2, Medium.REMOTE, Medium.HOST, tuple(range(N, 2 * N)), keys=tuple(KEYS["A"]),
-                tokens=tuple(CHUNKS["A"]), media=(Medium.REMOTE,) * N,
+    io = TierIO(host, NS, [RedisBlocks(store, None, host.slot_bytes)])
+    fetch = Job(2, Medium.REDIS, Medium.HOST, tuple(range(N, 2 * N)), keys=tuple(KEYS["A"]),
+                tokens=tuple(CHUNKS["A"]), media=(Medium.REDIS,) * N,
                 below_slots=(-1,) * N, budget_s=0.5)
     try:
         for cluster_store in (store, hasty):  # clients built, slot maps read: then it stalls
             cluster_store.check()
         proxy.delay_s = 0.8  # a starved node: writes wait for its replies on their own clients
-        written, _ = run(io, Job(1, Medium.HOST, Medium.REMOTE, tuple(range(N)),
+        written, _ = run(io, Job(1, Medium.HOST, Medium.REDIS, tuple(range(N)),
                                  keys=tuple(KEYS["A"]), tokens=tuple(CHUNKS["A"]),
-                                 media=(Medium.REMOTE,) * N, below_slots=(-1,) * N))
+                                 media=(Medium.REDIS,) * N, below_slots=(-1,) * N))
         assert written.success
         [lost] = hasty.put_many([(b"k", b"v")])
         assert isinstance(lost, RemoteTimeout)
@@ -277,12 +277,12 @@ def test_a_fetch_that_meets_its_deadline_is_unchanged(redis_server: RedisServer)
     blocks = host.tensor[:N].clone()
     write_both(host, redis_server.url)
     store = RedisStore(redis_server.url, NS)
-    io = TierIO(host, NS, [RemoteBlocks(store, None, host.slot_bytes)])
+    io = TierIO(host, NS, [RedisBlocks(store, None, host.slot_bytes)])
     try:
         for job_id in (1, 2):
-            result, _ = run(io, Job(job_id, Medium.REMOTE, Medium.HOST, tuple(range(N, 2 * N)),
+            result, _ = run(io, Job(job_id, Medium.REDIS, Medium.HOST, tuple(range(N, 2 * N)),
                                     keys=tuple(KEYS["A"]), tokens=tuple(CHUNKS["A"]),
-                                    media=(Medium.REMOTE,) * N, below_slots=(-1,) * N,
+                                    media=(Medium.REDIS,) * N, below_slots=(-1,) * N,
                                     budget_s=5.0))
             assert result.success
             assert torch.equal(host.tensor[N:], blocks)
@@ -304,15 +304,15 @@ def test_a_starved_store_keeps_up_with_the_write_timeout(
     host = host_pool()
     patient = RedisStore(proxy.url, NS, write_timeout_s=2.0)
     hasty = RedisStore(proxy.url, NS)  # writes wait as long as reads: 0.5 s
-    io = TierIO(host, NS, [RemoteBlocks(hasty, None, host.slot_bytes)])
+    io = TierIO(host, NS, [RedisBlocks(hasty, None, host.slot_bytes)])
     try:
         assert patient.put_many([(b"k", b"v")]) == [None]
         with pytest.raises(RemoteTimeout):
             hasty.put_many([(b"k", b"v")])
         hasty._breaker.succeeded()  # its breaker opened; close it for the tier's write
-        written, _ = run(io, Job(1, Medium.HOST, Medium.REMOTE, (0, 1),
+        written, _ = run(io, Job(1, Medium.HOST, Medium.REDIS, (0, 1),
                                  keys=tuple(KEYS["A"][:2]), tokens=tuple(CHUNKS["A"][:2]),
-                                 media=(Medium.REMOTE,) * 2, below_slots=(-1, -1)))
+                                 media=(Medium.REDIS,) * 2, below_slots=(-1, -1)))
         assert written.reasons == (Reason.TIMEOUT, Reason.TIMEOUT)
     finally:
         io.close()

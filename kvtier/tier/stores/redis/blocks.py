@@ -35,11 +35,11 @@ REMOTE_HEADER_LIMIT = max_header_nbytes(MAX_TOKENS)
 RENEW_BATCH_KEYS = 1024  # PEXPIREs per round trip when a retention renews stored blocks
 
 
-class RemoteBlocks:
+class RedisBlocks:
     """A remote store's keys (one server or a cluster), batched into bounded round trips;
     every block signed with `mac` when the deployment has a secret."""
 
-    medium = Medium.REMOTE
+    medium = Medium.REDIS
     parallel_reads = True  # a fetch's bytes are in memory before its blocks are verified
 
     def __init__(self, store: KeyValueStore, mac: BlockMac | None, slot_bytes: int) -> None:

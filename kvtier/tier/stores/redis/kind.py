@@ -18,7 +18,7 @@ from kvtier.tier.stores.redis.probe import remote_rate
 from kvtier.tier.stores.redis.url import SCHEMES, is_cluster_url, validate_url
 
 if TYPE_CHECKING:
-    from kvtier.tier.stores.redis.blocks import RemoteBlocks
+    from kvtier.tier.stores.redis.blocks import RedisBlocks
     from kvtier.tier.stores.redis.kv import KeyValueStore
 
 WRITE_TIMEOUT_S = 2.0  # `write_timeout_s`'s default
@@ -50,7 +50,7 @@ class RedisKind:
     """Redis or Valkey, one server or a cluster; blocks signed under the deployment's MAC."""
 
     name = "redis"
-    medium = Medium.REMOTE
+    medium = Medium.REDIS
     shared = True
     schemes = SCHEMES
     knobs_type = RedisKnobs
@@ -99,10 +99,10 @@ class RedisKind:
         return (site.presence_books(store.exists_many, self.medium, knobs.ttl_s is not None),
                 remote_rate(store, site.slot_bytes, knobs.read_gbps))
 
-    def open_bytes(self, site: StoreSite, knobs: RedisKnobs) -> RemoteBlocks:
-        from kvtier.tier.stores.redis.blocks import RemoteBlocks
+    def open_bytes(self, site: StoreSite, knobs: RedisKnobs) -> RedisBlocks:
+        from kvtier.tier.stores.redis.blocks import RedisBlocks
 
-        return RemoteBlocks(self._connect(site, knobs), site.mac, site.slot_bytes)
+        return RedisBlocks(self._connect(site, knobs), site.mac, site.slot_bytes)
 
     @staticmethod
     def _connect(site: StoreSite, knobs: RedisKnobs) -> KeyValueStore:
