@@ -84,10 +84,10 @@ from common import write_result
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import KvHints, SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 
 GIB = 1024**3
 BLOCK = 16

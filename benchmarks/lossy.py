@@ -28,10 +28,10 @@ from common import write_result
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 
 ENCODINGS = ("exact", "int8", "fp8")
 TOP = 20

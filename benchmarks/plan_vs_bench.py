@@ -29,6 +29,7 @@ from kvtier.bench.run import run_config
 from kvtier.bench.split import split_summary
 from kvtier.bench.trace import FORMATS, generate, load_trace
 from kvtier.config import EngineConfig
+from kvtier.engine.stats import percentile
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.model.loader import load_model
 from kvtier.plan.analysis import ACTIVATION_FRACTION, HOST_USABLE_FRACTION
@@ -36,7 +37,6 @@ from kvtier.plan.hardware import GIB, Hardware, resolve_hardware
 from kvtier.plan.models import ModelShape, shape_from_spec
 from kvtier.plan.simulate import SimConfig, SimResult, simulate
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
-from kvtier.stats import percentile
 from kvtier.tier import LoadPolicy
 
 PARTS = (*SPLIT_PARTS, "ttft")

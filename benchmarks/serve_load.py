@@ -30,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
+from kvtier.engine.stats import summarize
 from kvtier.server.launch import start_server
-from kvtier.stats import summarize
 
 TOPICS = ["tides", "volcanoes", "bread", "bridges", "owls", "comets", "glaciers", "chess"]
 

@@ -33,12 +33,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result
 
+from kvtier.engine.stats import percentile
 from kvtier.errors import ConfigError
 from kvtier.plan.analysis import analyze
 from kvtier.plan.hardware import resolve_hardware
 from kvtier.plan.models import resolve_model
 from kvtier.plan.simulate import SimConfig, SimResult, SimTurn, simulate
-from kvtier.stats import percentile
 from kvtier.tier import LoadPolicy
 
 LIMIT = "limit"

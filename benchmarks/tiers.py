@@ -62,10 +62,10 @@ from local_redis import LocalRedis
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.model.loader import LoadedModel, load_model
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 from kvtier.tier.planner import Decision
 from kvtier.tier.stores.disk.file import FILE_NAME
 from kvtier.tier.stores.disk.probe import measure_disk_gbps

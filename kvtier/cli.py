@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from kvtier.bench.cli import add_bench_args
+from kvtier.engine.flags import add_engine_args, engine_knobs
 from kvtier.errors import KvtierError
-from kvtier.flags import add_engine_args, engine_knobs
 from kvtier.plan.cli import add_plan_args
 from kvtier.server.cli import add_serve_args
 
@@ -92,8 +92,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
+    from kvtier.bench.selftest import run_selftest
     from kvtier.model.loader import load_model
-    from kvtier.selftest import run_selftest
 
     loaded = load_model(args.model)
     report = run_selftest(loaded, conversations=args.conversations, turns=args.turns,

@@ -7,10 +7,10 @@ from typing import Any
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine, PromptType
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.errors import RequestError
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 
 Message = dict[str, Any]
 

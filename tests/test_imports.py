@@ -33,3 +33,23 @@ def test_import_kvtier_and_the_engine_never_import_vllm() -> None:
     code = ("import sys, kvtier, kvtier.llm, kvtier.tier, kvtier.integrations; "
             "assert 'vllm' not in sys.modules and 'sglang' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_module_that_moved_into_its_folder_still_imports_by_its_old_path() -> None:
+    # a fresh interpreter: the old path first, then the new one, one module under both names
+    code = """
+import importlib, kvtier
+for old, new in kvtier.MOVED.items():
+    a = importlib.import_module(old)
+    b = importlib.import_module(new)
+    assert a is b and b.__spec__.name == new, (old, new, b.__spec__.name)
+from kvtier.metrics import Metrics
+from kvtier.server.metrics import Metrics as Same
+assert Metrics is Same
+from kvtier.stats import RequestLog, engine_stats
+from kvtier.flags import add_engine_args
+from kvtier.selftest import run_selftest
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not (PACKAGE / "metrics.py").exists() and (PACKAGE / "server" / "metrics.py").exists()

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from kvtier.metrics import Metrics
 from kvtier.output import RequestMetrics, RequestOutput
+from kvtier.server.metrics import Metrics
 from kvtier.tier import BelowReport, Medium, Reason, TierStats, TransferCounts
 from kvtier.tier.jobs import Miss
 from kvtier.tier.report import IndexStats

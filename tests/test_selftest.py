@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.selftest import run_selftest
 from kvtier.cli import main
 from kvtier.engine.llm_engine import LLMEngine
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
-from kvtier.selftest import run_selftest
 
 
 def test_selftest_passes_and_restores_something(tiny: LoadedModel) -> None:

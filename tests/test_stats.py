@@ -1,6 +1,6 @@
 """Percentiles as the reports compute them: nearest rank."""
 
-from kvtier.stats import percentile
+from kvtier.engine.stats import percentile
 
 
 def test_nearest_rank_percentiles() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.provenance import git_sha, hardware
+from kvtier.engine.flags import add_engine_args, engine_knobs
 from kvtier.errors import ConfigError
-from kvtier.flags import add_engine_args, engine_knobs
 
 # The default run: a device pool that holds a few sessions, a host pool ~10x larger, and
 # sessions that think between turns long enough for idle demotion to matter.

@@ -22,8 +22,8 @@ from typing import Any
 
 from kvtier.bench.load import saturation_message
 from kvtier.bench.split import explain_gap, split_summary
+from kvtier.engine.stats import summarize
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
-from kvtier.stats import summarize
 from kvtier.tier import Residency
 
 COLD_CLASSES = (Residency.HOST, Residency.RECOMPUTED)

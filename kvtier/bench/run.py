@@ -17,10 +17,10 @@ from typing import Any
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 from kvtier.tier import Residency
 
 IDLE_TICK_S = 0.05  # how often an idle engine steps (demotion, transfer completion)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.engine.stats import summarize
 from kvtier.sequence import SPLIT_PARTS
-from kvtier.stats import summarize
 from kvtier.tier import Residency
 
 BELOW_HOST = (Residency.DISK, Residency.SHARED)

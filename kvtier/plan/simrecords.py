@@ -11,8 +11,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from kvtier.engine.stats import percentile
 from kvtier.sequence import RESIDENCY_CLASSES, SPLIT_PARTS
-from kvtier.stats import percentile
 from kvtier.tier import Residency
 
 

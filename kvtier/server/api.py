@@ -19,8 +19,8 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvtier.metrics import Metrics
 from kvtier.server.engine_loop import EngineLoop
+from kvtier.server.metrics import Metrics
 from kvtier.server.protocol import error_body
 from kvtier.server.request_body import ApiError, default_max_request_bytes
 from kvtier.server.routes_admin import admin_routes

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvtier.engine.flags import add_engine_args, engine_knobs
 from kvtier.errors import ConfigError
-from kvtier.flags import add_engine_args, engine_knobs
 from kvtier.tier import TierConfig, tenant_rule
 
 DRAIN_SLACK_S = 5.0  # after the drain, time for the ended responses to reach their clients
@@ -83,9 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvtier.config import EngineConfig
     from kvtier.engine.llm_engine import LLMEngine
-    from kvtier.metrics import Metrics
     from kvtier.server.api import build_app
     from kvtier.server.engine_loop import EngineLoop
+    from kvtier.server.metrics import Metrics
 
     tenants = load_tenants(args.api_key, args.api_keys_file)
     engine_config = EngineConfig.from_knobs(model=args.model, **engine_knobs(args))

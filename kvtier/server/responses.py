@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import KvtierError
-from kvtier.metrics import Metrics
 from kvtier.output import RequestOutput, StreamDelta
 from kvtier.server.engine_loop import EngineLoop, RequestFailed, RequestStream
+from kvtier.server.metrics import Metrics
 from kvtier.server.protocol import error_body, tenant_salt
 from kvtier.server.request_body import ApiError
 from kvtier.server.shapes import Shape

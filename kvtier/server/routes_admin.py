@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvtier.metrics import Metrics
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.server.engine_loop import EngineLoop, RequestFailed
-from kvtier.stats import RequestLog, engine_stats
+from kvtier.server.metrics import Metrics
 from kvtier.tier import TierStats
 
 

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import RequestError
-from kvtier.metrics import Metrics
 from kvtier.server.engine_loop import EngineLoop, RequestFailed
+from kvtier.server.metrics import Metrics
 from kvtier.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvtier.server.request_body import ApiError, json_body, prompt_text, read_body
 from kvtier.server.responses import Responder

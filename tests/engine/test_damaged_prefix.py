@@ -9,9 +9,9 @@ from typing import Any
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 from kvtier.tier import Medium
 from kvtier.tier.keys import hash_blocks
 

@@ -17,10 +17,10 @@ import torch
 import kvtier.tier.fingerprint as fingerprint
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 
 # A fixed starting read rate: the planner's call for the tiny model (whose prefill is nearly
 # free) must not hang on this machine's disk latency of the minute.

@@ -6,11 +6,11 @@ import pytest
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog
 from kvtier.errors import ConfigError, ModelLoadError, RequestError
 from kvtier.llm import LLM
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=20)
 

@@ -11,11 +11,11 @@ import random
 import pytest
 from conftest import exact_engine
 
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.errors import ConfigError
 from kvtier.model.loader import LoadedModel
 from kvtier.output import Residency
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 from kvtier.tier.config import TierConfig
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -12,9 +12,9 @@ import pytest
 
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 
 BASE = {"num_device_blocks": 48, "batch_invariant": True, "kv_offloading_size": 0.02}
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)

@@ -16,9 +16,9 @@ import pytest
 from kvtier.config import EngineConfig
 from kvtier.engine.faults import EngineFaults
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog, engine_stats
 from kvtier.model.loader import LoadedModel
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog, engine_stats
 from kvtier.tier import Faults
 from kvtier.tier.io.block_format import BlockHeader, encode_header, pack, unpack
 from kvtier.tier.keys import Medium, hash_blocks

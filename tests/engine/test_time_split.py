@@ -13,10 +13,10 @@ from conftest import Armed
 from kvtier.config import EngineConfig
 from kvtier.engine.faults import EngineFaults
 from kvtier.engine.llm_engine import LLMEngine
+from kvtier.engine.stats import RequestLog
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import SamplingParams
-from kvtier.stats import RequestLog
 from kvtier.tier import Faults, Job, Medium
 from kvtier.tier.faults import every_load
 

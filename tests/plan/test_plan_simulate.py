@@ -4,12 +4,12 @@ TTFT splits into queue + tier + compute."""
 
 import pytest
 
+from kvtier.engine.stats import percentile
 from kvtier.errors import ConfigError
 from kvtier.plan.analysis import HOST_USABLE_FRACTION, planner_for
 from kvtier.plan.hardware import GIB, HARDWARE, Hardware
 from kvtier.plan.models import MODELS
 from kvtier.plan.simulate import SimConfig, SimTurn, simulate
-from kvtier.stats import percentile
 
 MODEL = MODELS["llama-3.1-8b"]
 H100 = HARDWARE["h100-sxm"]

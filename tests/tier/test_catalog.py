@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.metrics import Metrics
+from kvtier.server.metrics import Metrics
 from kvtier.tier import CATALOG, Decline, Medium, Reason
 from kvtier.tier.catalog import DECLINED, MISS_BLOCKS, TENANT_BYTES, rows
 from kvtier.tier.jobs import Miss

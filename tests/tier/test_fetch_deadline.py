@@ -11,11 +11,11 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.engine.stats import below_host_stats
 from kvtier.errors import ConfigError
 from kvtier.integrations.kit.counters import tier_counters
 from kvtier.integrations.vllm.settings import settings
-from kvtier.metrics import Metrics
-from kvtier.stats import below_host_stats
+from kvtier.server.metrics import Metrics
 from kvtier.tier.books import below as below_module
 from kvtier.tier.books.below import BelowHost
 from kvtier.tier.books.host import HostTier

@@ -53,7 +53,7 @@ class RequestLog:
         for cls in ("all", *(c.value for c in RESIDENCY_CLASSES)):
             chosen = [o.metrics.parts() for o in self.outputs if o.metrics.ttft_s is not None
                       and cls in ("all", o.residency)]
-            out[cls] = {part: summarize([p[part] for p in chosen if p[part] is not None])
+            out[cls] = {part: summarize([v for p in chosen if (v := p[part]) is not None])
                         for part in SPLIT_PARTS}
         return out
 
