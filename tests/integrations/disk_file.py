@@ -22,7 +22,7 @@ def blocks_on_disk(config: TierConfig, slot_bytes: int, block_size: int
                    ) -> dict[tuple[int, ...], int]:
     """token ids -> slot, for every block whose header the file holds."""
     knobs = disk_knobs(config)
-    slots, header = disk_geometry(knobs, slot_bytes, block_size)
+    slots, header = disk_geometry(knobs.size, slot_bytes, block_size)
     found = read_headers(str(knobs.path), slots, slot_bytes, header)
     return {h.tokens: slot for slot, h in found}
 
@@ -32,7 +32,7 @@ def flip_payload_byte(config: TierConfig, slot_bytes: int, block_size: int,
     """Flip one bit of the payload of the block holding `tokens` (its header stays valid)."""
     slot = blocks_on_disk(config, slot_bytes, block_size)[tuple(tokens)]
     knobs = disk_knobs(config)
-    _, header = disk_geometry(knobs, slot_bytes, block_size)
+    _, header = disk_geometry(knobs.size, slot_bytes, block_size)
     area = round_up(header)
     offset = FILE_HEADER_NBYTES + slot * (area + round_up(slot_bytes)) + area + at
     with open(Path(str(knobs.path)) / FILE_NAME, "r+b") as f:

@@ -82,9 +82,9 @@ class DiskKind:
     def open_books(self, site: StoreSite, knobs: DiskKnobs) -> tuple[SecondaryIndex, float]:
         from kvtier.tier.stores.disk.open import read_disk_index
 
-        index = read_disk_index(knobs, site.config.eviction_policy, site.slot_bytes,
-                                site.encoding, site.namespace, site.block_size, site.changes,
-                                site.tenancy)
+        index = read_disk_index(str(knobs.path), knobs.size, site.config.eviction_policy,
+                                site.slot_bytes, site.encoding, site.namespace,
+                                site.block_size, site.changes, site.tenancy)
         return index, self._read_gbps(site, knobs)
 
     def open_bytes(self, site: StoreSite, knobs: DiskKnobs) -> DiskBlocks:
@@ -95,9 +95,9 @@ class DiskKind:
         from kvtier.tier.stores.disk.blocks import DiskBlocks
         from kvtier.tier.stores.disk.open import open_disk
 
-        store, index = open_disk(knobs, site.config.eviction_policy, site.slot_bytes,
-                                 site.encoding, site.namespace, site.block_size, site.changes,
-                                 site.tenancy)
+        store, index = open_disk(str(knobs.path), knobs.size, site.config.eviction_policy,
+                                 site.slot_bytes, site.encoding, site.namespace,
+                                 site.block_size, site.changes, site.tenancy)
         site.undo.callback(store.close)
         return DiskBlocks(store, knobs.max_gbps), index
 

@@ -1,9 +1,9 @@
 """The disk tier reopened: its slot file, and its index rebuilt from the headers on it.
 
-  open_disk(knobs, ...)             the file (opened, locked) and its index; slots it cannot
+  open_disk(path, size, ...)        the file (opened, locked) and its index; slots it cannot
                                     take are invalidated
-  read_disk_index(knobs, ...)       that index alone, read only (the file is another's)
-  disk_geometry(knobs, ...)         (slots, header bytes): the same in every process
+  read_disk_index(path, size, ...)  that index alone, read only (the file is another's)
+  disk_geometry(size, ...)          (slots, header bytes): the same in every process
 A block of another fingerprint, encoding or size is never adopted, only counted by reason.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.residency_log import ResidencyLog
@@ -22,23 +21,20 @@ from kvtier.tier.jobs import Reason
 from kvtier.tier.stores.disk.file import DiskStore, read_headers, round_up
 from kvtier.tier.stores.disk.index import DiskTier
 
-if TYPE_CHECKING:
-    from kvtier.tier.stores.disk.kind import DiskKnobs
-
 log = logging.getLogger(__name__)
 
 
-def open_disk(knobs: DiskKnobs, policy: str, slot_bytes: int, encoding: str, namespace: bytes,
-              block_size: int, residency: ResidencyLog | None = None,
+def open_disk(path: str, size_gib: float, policy: str, slot_bytes: int, encoding: str,
+              namespace: bytes, block_size: int, residency: ResidencyLog | None = None,
               tenancy: Tenancy | None = None) -> tuple[DiskStore, DiskTier]:
     """The slot file, and its index rebuilt from the blocks a previous process left there
     (of `slot_bytes` and `encoding`, the host rows'; other blocks are invalidated)."""
-    num_slots, header = disk_geometry(knobs, slot_bytes, block_size)
-    store = DiskStore(str(knobs.path), num_slots, slot_bytes, header)
+    num_slots, header = disk_geometry(size_gib, slot_bytes, block_size)
+    store = DiskStore(path, num_slots, slot_bytes, header)
     try:
         unusable: Counter[str] = Counter()
         found = store.scan(unusable)
-        tier, rejected = _adopt(knobs, policy, found, unusable, num_slots, namespace,
+        tier, rejected = _adopt(path, policy, found, unusable, num_slots, namespace,
                                 slot_bytes, encoding, residency, tenancy)
         for slot in rejected:
             store.invalidate(slot)
@@ -51,33 +47,33 @@ def open_disk(knobs: DiskKnobs, policy: str, slot_bytes: int, encoding: str, nam
     return store, tier
 
 
-def read_disk_index(knobs: DiskKnobs, policy: str, slot_bytes: int, encoding: str, namespace: bytes,
-                    block_size: int, residency: ResidencyLog | None = None,
+def read_disk_index(path: str, size_gib: float, policy: str, slot_bytes: int, encoding: str,
+                    namespace: bytes, block_size: int, residency: ResidencyLog | None = None,
                     tenancy: Tenancy | None = None) -> DiskTier:
     """The disk tier's index from its file, read only: for the process that keeps the index
     while another owns the file (`open_disk` there adopts, and invalidates, the same slots).
     `residency`: where the index tells its residency changes (None: nowhere); `tenancy`:
     the owners and retention its blocks get back (a previous process's, saved)."""
-    num_slots, header = disk_geometry(knobs, slot_bytes, block_size)
+    num_slots, header = disk_geometry(size_gib, slot_bytes, block_size)
     unusable: Counter[str] = Counter()
-    found = read_headers(str(knobs.path), num_slots, slot_bytes, header, unusable)
-    return _adopt(knobs, policy, found, unusable, num_slots, namespace, slot_bytes, encoding,
+    found = read_headers(path, num_slots, slot_bytes, header, unusable)
+    return _adopt(path, policy, found, unusable, num_slots, namespace, slot_bytes, encoding,
                   residency, tenancy)[0]
 
 
-def disk_geometry(knobs: DiskKnobs, slot_bytes: int, block_size: int) -> tuple[int, int]:
+def disk_geometry(size_gib: float, slot_bytes: int, block_size: int) -> tuple[int, int]:
     """(slots, header bytes) of the disk tier's file: the same in every process."""
     header = max_header_nbytes(block_size)
     probe_slot = round_up(header) + round_up(slot_bytes)
-    num_slots = int(knobs.size * GIB // probe_slot)
+    num_slots = int(size_gib * GIB // probe_slot)
     if num_slots < 1:
         raise ConfigError(
-            f"disk_kv_size={knobs.size} GiB holds no block of {probe_slot:,} bytes; "
+            f"disk_kv_size={size_gib} GiB holds no block of {probe_slot:,} bytes; "
             "raise it")
     return num_slots, header
 
 
-def _adopt(knobs: DiskKnobs, policy: str, found: list[tuple[int, BlockHeader]],
+def _adopt(path: str, policy: str, found: list[tuple[int, BlockHeader]],
            unusable: Counter[str], num_slots: int, namespace: bytes, slot_bytes: int,
            encoding: str, residency: ResidencyLog | None = None,
            tenancy: Tenancy | None = None) -> tuple[DiskTier, list[int]]:
@@ -95,5 +91,5 @@ def _adopt(knobs: DiskKnobs, policy: str, found: list[tuple[int, BlockHeader]],
     if unusable:
         log.warning("kvtier: disk tier %s holds blocks this process will not serve (%s): "
                     "written under another model, configuration or format, or damaged",
-                    knobs.path, ", ".join(f"{n} {r}" for r, n in unusable.items()))
+                    path, ", ".join(f"{n} {r}" for r, n in unusable.items()))
     return tier, tier.adopt(ours)
