@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.sequence import SPLIT_PARTS, Phase, Sequence
-from kvtier.tier import Residency
+from kvtier.tier import HintReply, Residency
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,14 @@ class RequestOutput:
     restore_bytes: int = 0
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
     error: str | None = None  # finish_reason "error": why serving this request failed
-    # the retention it asked for: seconds granted, "refused:<reason>", or None (none asked)
-    retention: float | str | None = None
+    # what each hint it asked got (retention, breakpoints, an expected return)
+    hint_reply: HintReply = field(default_factory=HintReply)
+
+    @property
+    def retention(self) -> float | str | None:
+        """The retention it asked for: seconds granted, "refused:<reason>", or None."""
+        grant = self.hint_reply.retention
+        return None if grant is None else grant.value
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -95,7 +101,7 @@ class RequestOutput:
             num_restored_tokens=seq.num_restored_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
             num_recomputed_tokens=seq.num_recomputed_tokens, restore_bytes=seq.restore_bytes,
-            lossy=seq.lossy, retention=seq.retention,
+            lossy=seq.lossy, hint_reply=seq.hint_reply,
         )
 
 

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import RequestError
+from kvtier.tier import HintReply, Residency
 from kvtier.tier import KvHints as KvHints  # re-exported: its home was here
-from kvtier.tier import Residency
 
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's threshold)
 MAX_TEMPERATURE = 100.0  # beyond it every token is equally likely: a caller's mistake
@@ -201,8 +201,8 @@ class Sequence:
     swapped: SwapState | None = None
     lossy: bool = False  # restored from 8-bit blocks (kv_offload_dtype): not bit-exact
     hints: KvHints = field(default_factory=KvHints)
-    # what the retention asked in `hints` got, set at finish: seconds, or "refused:<reason>"
-    retention: float | str | None = None
+    # what each hint asked in `hints` got, set at finish
+    hint_reply: HintReply = field(default_factory=HintReply)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -340,9 +340,7 @@ class Scheduler:
         if self.policy.kv_write_policy is WritePolicy.WRITE_THROUGH or hints.stores:
             self.tier.store(table.block_ids[:full], keys, tokens, tenant=hints.tenant,
                             prefix=True)
-        reply = self.tier.answer(seq.request_id, hints, keys, tokens)
-        if reply.retention is not None:
-            seq.retention = reply.retention.value
+        seq.hint_reply = self.tier.answer(seq.request_id, hints, keys, tokens)
 
     def abort(self, request_id: str) -> Sequence | None:
         fetching = self.fetching.pop(request_id, None)

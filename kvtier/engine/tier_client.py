@@ -26,7 +26,6 @@ from kvtier.tier import (
     Event,
     Faults,
     Grant,
-    Hint,
     HintReply,
     KvHints,
     KVLayout,
@@ -339,9 +338,7 @@ class NullTier:
 
     def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
                tokens: Sequence[Sequence[int]]) -> HintReply:
-        off = Grant(refused=Refusal.DISABLED)  # no tier (kv_offloading_size=0)
-        return HintReply(off if hints.asks(Hint.RETENTION) else None,
-                         off if hints.asks(Hint.EXPECT_RETURN) else None)
+        return HintReply.every(hints, Grant(refused=Refusal.DISABLED))  # no tier at all
 
     def stage_returns(self) -> None:
         pass

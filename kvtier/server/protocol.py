@@ -11,10 +11,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.errors import RequestError
-from kvtier.sequence import MAX_LOGPROBS, KvHints, SamplingParams
+from kvtier.sequence import MAX_LOGPROBS, SamplingParams
+from kvtier.tier import KvHints, PrefixRetention
 
 MAX_TOKENS_DEFAULT = 256
 DAY_S = 86400.0  # OpenAI's "24h" prompt_cache_retention
+# OpenAI's cache lifetimes (`prompt_cache_options.ttl`, a breakpoint's `ttl`): each is a
+# retention of that long in every tier that holds the blocks
+TTL_S = {"30m": 1800.0, "12h": 43200.0}
+DEFAULT_TTL = "30m"
+MAX_BREAKPOINTS = 4  # written per request, as OpenAI allows
 MAX_CACHE_SALT_CHARS = 256
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 # Parameters of OpenAI's or vLLM's API that kvtier does not implement, with the value that
@@ -27,6 +33,26 @@ UNSUPPORTED: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "structured_outputs": None, "min_p": 0, "use_beam_search": False,
 }
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's `prompt_cache_options`: `implicit` (the default) caches the whole prompt for
+    `ttl` besides any explicit breakpoint; `explicit` only the breakpoints."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] | None = None
+
+
+class PromptCacheBreakpoint(BaseModel):
+    """OpenAI's `prompt_cache_breakpoint` on a content part: the prompt up to the end of
+    that part is kept at least `ttl` (the request's when unset)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -55,17 +81,35 @@ class _Common(BaseModel):
     # its quota, tenant_source.py) and how long to keep it ("in_memory": as the tier sees
     # fit; "24h": retained a day)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # deprecated by OpenAI
+    prompt_cache_options: PromptCacheOptions | None = None
     kv_retention_s: float | None = Field(None, gt=0)  # kvtier's: retain for N seconds
     kv_expect_return_s: float | None = Field(None, gt=0)  # the session is back in N seconds
 
-    def hints(self, tenant: str) -> KvHints:
+    def hints(self, tenant: str, breakpoint_tokens: list[int] | None = None) -> KvHints:
         """What the request asks of its KV, for `tenant` (whose quotas and counters it
-        counts against: its API key's or router header's, else as `kv_tenant_from` says)."""
+        counts against: its API key's or router header's, else as `kv_tenant_from` says);
+        `breakpoint_tokens`: where each of its cache breakpoints ends in the prompt."""
+        options = self.prompt_cache_options
         if self.kv_retention_s is not None and self.prompt_cache_retention == "24h":
             raise RequestError("give one of kv_retention_s and prompt_cache_retention")
+        if options is not None and options.ttl is not None and \
+                self.prompt_cache_retention is not None:
+            raise RequestError("prompt_cache_retention is deprecated and cannot be sent with "
+                               "prompt_cache_options.ttl; send prompt_cache_options.ttl alone")
         retention = self.kv_retention_s if self.prompt_cache_retention != "24h" else DAY_S
-        return KvHints(tenant, retention, self.kv_expect_return_s)
+        ttl = TTL_S[options.ttl or DEFAULT_TTL] if options is not None else TTL_S[DEFAULT_TTL]
+        if options is not None and options.mode == "implicit" and retention is None:
+            retention = ttl  # the implicit breakpoint: the whole prompt
+        marks = self.breakpoints()
+        prefixes = tuple(PrefixRetention(n, TTL_S[m.ttl] if m.ttl else ttl)
+                         for m, n in zip(marks, breakpoint_tokens or []))
+        return KvHints(tenant, retention, self.kv_expect_return_s, prefixes=prefixes)
+
+    def breakpoints(self) -> list[PromptCacheBreakpoint]:
+        """The request's cache breakpoints in prompt order (a chat's content parts carry
+        them); RequestError past MAX_BREAKPOINTS."""
+        return []
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams, or a RequestError naming the bad field."""
@@ -107,6 +151,7 @@ class ContentPart(BaseModel):
 
     type: str
     text: str | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class ChatMessage(BaseModel):
@@ -141,6 +186,15 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def breakpoints(self) -> list[PromptCacheBreakpoint]:
+        marks = [p.prompt_cache_breakpoint for m in self.messages
+                 if isinstance(m.content, list) for p in m.content
+                 if p.prompt_cache_breakpoint is not None]
+        if len(marks) > MAX_BREAKPOINTS:
+            raise RequestError(f"{len(marks)} content parts carry prompt_cache_breakpoint; a "
+                               f"request writes at most {MAX_BREAKPOINTS}")
+        return marks
 
     @property
     def limit(self) -> int | None:

@@ -36,14 +36,16 @@ class Responder:
         self.tenant_source = loop.engine.config.offload.tenant_source
 
     async def serve(self, request: Request, req: Any, prompt: PromptType,
-                    max_tokens: int | None, tenant: str, chat: bool) -> Response:
+                    max_tokens: int | None, tenant: str, chat: bool,
+                    breakpoint_tokens: list[int] | None = None) -> Response:
         loop = self.loop
         try:
             params = req.sampling(max_tokens)
             stream = await loop.submit(prompt, params,
                                        cache_salt=tenant_salt(tenant, req.cache_salt),
                                        hints=req.hints(request_tenant(
-                                           self.tenant_source, req.cache_salt, tenant)))
+                                           self.tenant_source, req.cache_salt, tenant),
+                                           breakpoint_tokens))
         except RequestFailed as e:
             raise ApiError(e.status, str(e), kind="server_error") from None
         except KvtierError as e:
@@ -106,7 +108,7 @@ class Responder:
                     if len(event.text) > sent:
                         yield shape.chunk(event.text[sent:], None)
                     yield shape.chunk("", event.finish_reason, event.token_ids,
-                                      event.retention)
+                                      event.hint_reply)
                     if usage:
                         yield shape.usage_chunk(event)
                     yield b"data: [DONE]\n\n"

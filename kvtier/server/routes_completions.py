@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import RequestError
+from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.engine_loop import EngineLoop, RequestFailed
 from kvtier.server.metrics import Metrics
 from kvtier.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -39,7 +40,9 @@ def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
         try:
             parsed = model.model_validate(body)
         except ValidationError as e:
-            first = e.errors()[0]
+            # the deepest error: in a union (a message's text or its parts) the branch the
+            # client meant went furthest
+            first = max(e.errors(), key=lambda err: len(err["loc"]))
             where = ".".join(str(p) for p in first["loc"]) or "body"
             raise ApiError(400, f"{where}: {first['msg']}") from None
         if parsed.model not in names:
@@ -61,7 +64,12 @@ def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
         tenant = tenant_of(request)
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         prompt = await chat_prompt(loop, req.messages)
-        return await responder.serve(request, req, prompt, req.limit, tenant, chat=True)
+        assert isinstance(prompt, dict)
+        marks = await asyncio.to_thread(breakpoint_tokens, loop.engine.tokenizer,
+                                        str(prompt.get("prompt", "")),
+                                        list(prompt["prompt_token_ids"]), req.messages)
+        return await responder.serve(request, req, prompt, req.limit, tenant, chat=True,
+                                     breakpoint_tokens=marks)
 
     return router
 
@@ -88,6 +96,37 @@ async def chat_prompt(loop: EngineLoop, messages: list[ChatMessage]) -> PromptTy
     text = prompt_text(text, max_len)
     ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
     return {"prompt": text, "prompt_token_ids": ids}
+
+
+def breakpoint_tokens(tokenizer: Tokenizer, text: str, ids: list[int],
+                      messages: list[ChatMessage]) -> list[int]:
+    """Where each content part marked with `prompt_cache_breakpoint` ends in the rendered
+    prompt's tokens: the tokens of the text up to the end of that part, as far as they agree
+    with the whole prompt's (a token the cut would split is left out). The template renders
+    every part's text in order, so each is found after the one before."""
+    out: list[int] = []
+    cursor = 0
+    if not any(isinstance(m.content, list) and any(p.prompt_cache_breakpoint for p in m.content)
+               for m in messages):
+        return out
+    for m in messages:
+        parts = m.content if isinstance(m.content, list) else []
+        for part in parts:
+            piece = part.text or ""
+            at = text.find(piece, cursor)
+            if at < 0:
+                raise ApiError(400, "a content part's text is not in the prompt the chat "
+                                    "template made; its prompt_cache_breakpoint has no place")
+            cursor = at + len(piece)
+            if part.prompt_cache_breakpoint is not None:
+                head = tokenizer.encode(text[:cursor], add_special_tokens=False)
+                n = 0
+                while n < min(len(head), len(ids)) and head[n] == ids[n]:
+                    n += 1
+                out.append(n)
+        if isinstance(m.content, str) and (at := text.find(m.content, cursor)) >= 0:
+            cursor = at + len(m.content)
+    return out
 
 
 def guarded(handler: Callable[[Request], Awaitable[Response]]

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from kvtier.output import RequestOutput
+from kvtier.tier import HintReply
 
 
 class Shape:
@@ -39,7 +40,7 @@ class Shape:
         if self.with_token_ids:
             choice["token_ids"] = out.token_ids
         return {**self._base(obj), "choices": [choice], "usage": usage_of(out),
-                **retention_of(out.retention)}
+                **retention_of(out.hint_reply)}
 
     def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         """OpenAI's logprobs object: per generated token its log-probability under the
@@ -65,10 +66,10 @@ class Shape:
                 "top_logprobs": [dict(top) for _, _, top in steps], "text_offset": offsets}
 
     def chunk(self, text: str, finish_reason: str | None,
-              token_ids: list[int] | None = None, retention: float | str | None = None
+              token_ids: list[int] | None = None, reply: HintReply | None = None
               ) -> bytes:
-        """One SSE event; the closing one carries the output's ids (when asked) and what a
-        retention asked for got."""
+        """One SSE event; the closing one carries the output's ids (when asked) and what
+        each hint asked got."""
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             if self.first:
@@ -81,7 +82,8 @@ class Shape:
             body = {**self._base("text_completion"), "choices": [choice]}
         if token_ids is not None and self.with_token_ids:
             choice["token_ids"] = token_ids  # the whole output's ids, on the closing chunk
-        body.update(retention_of(retention))
+        if reply is not None:
+            body.update(retention_of(reply))
         self.first = False
         return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -91,10 +93,16 @@ class Shape:
         return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def retention_of(retention: float | str | None) -> dict[str, Any]:
-    """`kvtier_retention_s`: the seconds a retention got, or "refused:<reason>" (nothing
-    when none was asked)."""
-    return {} if retention is None else {"kvtier_retention_s": retention}
+def retention_of(reply: HintReply) -> dict[str, Any]:
+    """`kvtier_retention_s`: the seconds a retention got, or "refused:<reason>";
+    `kvtier_cache_breakpoints_s`: the same for each cache breakpoint, in its order (nothing
+    for what was not asked)."""
+    out: dict[str, Any] = {}
+    if reply.retention is not None:
+        out["kvtier_retention_s"] = reply.retention.value
+    if reply.prefixes:
+        out["kvtier_cache_breakpoints_s"] = [g.value for g in reply.prefixes]
+    return out
 
 
 def usage_of(out: RequestOutput) -> dict[str, Any]:

@@ -70,7 +70,7 @@ from kvtier.tier.config import (
 )
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
-from kvtier.tier.hints import Hint, HintReply, KvHints, seconds
+from kvtier.tier.hints import Hint, HintReply, KvHints, PrefixRetention, seconds
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import (
     BlockKey,
@@ -156,6 +156,7 @@ __all__ = [
     "PageStore",
     "Planner",
     "Prefetch",
+    "PrefixRetention",
     "Reason",
     "Refusal",
     "RequestOutcome",

@@ -36,6 +36,16 @@ def seconds(value: object) -> float | None:
 
 
 @dataclass(frozen=True)
+class PrefixRetention:
+    """Keep the blocks of the prompt's first `tokens` tokens at least `seconds` (a cache
+    breakpoint: OpenAI's `prompt_cache_breakpoint`, Anthropic's `cache_control`); the blocks
+    kept are the full ones within it."""
+
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class KvHints:
     """One request's asks: whose its KV is (quotas and counters), how long to keep it
     (retention), when it comes back (prefetch); the hints asked with a value no client means
@@ -45,6 +55,7 @@ class KvHints:
     retention_s: float | None = None
     expect_return_s: float | None = None
     invalid: frozenset[Hint] = frozenset()
+    prefixes: tuple[PrefixRetention, ...] = ()  # breakpoints, each with its own lifetime
 
     def problem(self) -> str | None:
         """What is wrong with a value, in the client's words, or None (the edge that can
@@ -55,6 +66,10 @@ class KvHints:
                 shown = "" if value is None else f"={value!r}"
                 return (f"kv_{hint.value}{shown} must be a finite number of seconds > 0 (or "
                         "left out)")
+        for p in self.prefixes:
+            if seconds(p.seconds) is None or isinstance(p.tokens, bool) or \
+                    not isinstance(p.tokens, int) or p.tokens < 0:
+                return f"a cache breakpoint of {p.tokens!r} tokens kept {p.seconds!r} s"
         if self.expect_return_s is not None and self.expect_return_s > MAX_EXPECT_RETURN_S:
             return (f"kv_expect_return_s={self.expect_return_s:g} is past the longest hint "
                     f"kept ({MAX_EXPECT_RETURN_S:g} s)")
@@ -68,7 +83,7 @@ class KvHints:
     def stores(self) -> bool:
         """Whether the request's full blocks must go down to host, whatever the engine's write
         policy: a retention is asked of blocks the tier holds."""
-        return self.retention_s is not None
+        return self.retention_s is not None or bool(self.prefixes)
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,15 @@ class HintReply:
 
     retention: Grant | None = None
     expect_return: Grant | None = None
+    prefixes: tuple[Grant, ...] = ()  # one per breakpoint asked, in its order
+
+    @classmethod
+    def every(cls, hints: KvHints, grant: Grant) -> HintReply:
+        """Every hint `hints` asks answered with one `grant` (an engine without a tier
+        refuses them all alike, whatever hints come next)."""
+        return cls(grant if hints.asks(Hint.RETENTION) else None,
+                   grant if hints.asks(Hint.EXPECT_RETURN) else None,
+                   tuple(grant for _ in hints.prefixes))
 
     def answers(self) -> dict[Hint, float | str]:
         """Each asked hint's answer as a response carries it: seconds granted, or

@@ -17,6 +17,7 @@ from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import KvHints, SamplingParams
+from kvtier.tier import PrefixRetention
 
 BLOCK_GIB = 8192 / 1024**3  # one block of the tiny model, on host
 BASE = {"num_device_blocks": 48, "batch_invariant": True}
@@ -250,3 +251,34 @@ def test_one_tenant_cannot_pin_a_whole_disk_by_retaining_what_it_spills(
         engine.close()
     assert mallory.retained["disk"] <= 0.8 * disk_slots < disk_slots
     assert mallory.held["disk"] == disk_slots  # the rest of the disk: ordinary blocks
+
+
+def test_a_breakpoint_keeps_only_the_blocks_before_it_through_a_flood(
+        tiny: LoadedModel, tmp_path: Path, reference: RequestOutput) -> None:
+    # a cache breakpoint 40 tokens into the system prompt: its two full blocks are retained,
+    # the rest of the prompt is not; after the flood the turn restores exactly those two
+    engine = engine_of(tiny, **tiers(tmp_path))
+    try:
+        first = ask(engine, SYSTEM, "victim", prefixes=(PrefixRetention(40, 3600.0),))
+        flood(engine)
+        out = ask(engine, TURN, "victim")
+        tenants = engine.tier.report().tenants
+    finally:
+        engine.close()
+    [grant] = first.hint_reply.prefixes
+    assert grant.value == 3600.0 and grant.blocks == 2 and first.retention is None
+    assert out.token_ids == reference.token_ids
+    assert out.residency == "host" and out.num_restored_tokens == 32
+    assert tenants["victim"].retained["host"] == 2
+
+
+def test_no_tier_refuses_every_hint_alike(tiny: LoadedModel) -> None:
+    engine = engine_of(tiny, **BASE)  # no tier: every asked hint answered "disabled"
+    try:
+        out = ask(engine, SYSTEM, "a", retention_s=5.0, expect_return_s=5.0,
+                  prefixes=(PrefixRetention(32, 5.0), PrefixRetention(64, 5.0)))
+    finally:
+        engine.close()
+    reply = out.hint_reply
+    assert [str(g) for g in (reply.retention, reply.expect_return, *reply.prefixes)] == \
+        ["refused:disabled"] * 4

@@ -43,3 +43,23 @@ def test_a_reply_carries_only_what_was_asked() -> None:
     assert HintReply().answers() == {}
     reply = HintReply(retention=Grant(seconds=60.0), expect_return=Grant(refused=Refusal.QUOTA))
     assert reply.answers() == {Hint.RETENTION: 60.0, Hint.EXPECT_RETURN: "refused:quota"}
+
+
+def test_a_breakpoint_with_a_value_no_client_means_is_a_problem() -> None:
+    from kvtier.tier import PrefixRetention
+
+    assert KvHints(prefixes=(PrefixRetention(32, 60.0),)).problem() is None
+    assert KvHints(prefixes=(PrefixRetention(32, 60.0),)).stores  # its blocks must go down
+    for bad in (PrefixRetention(-1, 60.0), PrefixRetention(32, 0.0),
+                PrefixRetention(32, math.nan)):
+        problem = KvHints(prefixes=(bad,)).problem()
+        assert problem is not None and "cache breakpoint" in problem
+
+
+def test_an_engine_without_a_tier_answers_every_asked_hint_with_one_grant() -> None:
+    from kvtier.tier import PrefixRetention
+
+    off = Grant(refused=Refusal.DISABLED)
+    hints = KvHints(retention_s=5.0, prefixes=(PrefixRetention(16, 5.0),) * 2)
+    assert HintReply.every(hints, off) == HintReply(off, None, (off, off))
+    assert HintReply.every(KvHints(), off) == HintReply()

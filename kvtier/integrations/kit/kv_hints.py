@@ -44,7 +44,8 @@ def parse(asks: Mapping[str, Any] | None, tenant: str) -> KvHints:
                 invalid.add(hint)
             else:
                 values[hint.value] = value
-    return KvHints(tenant, invalid=frozenset(invalid), **values)
+    return KvHints(tenant, values.get(Hint.RETENTION.value),
+                   values.get(Hint.EXPECT_RETURN.value), frozenset(invalid))
 
 
 class HintAnswers:

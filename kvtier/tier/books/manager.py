@@ -233,7 +233,9 @@ class TierManager:
             expect = (Grant(refused=Refusal.INVALID)
                       if after is None or Hint.EXPECT_RETURN in hints.invalid
                       else self.expect(request_id, keys, tokens, after, hints.tenant))
-        return HintReply(retention, expect)
+        prefixes = tuple(self.retain(keys[:p.tokens // self.block_size], hints.tenant,
+                                     p.seconds) for p in hints.prefixes)
+        return HintReply(retention, expect, prefixes)
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None) -> Grant:
         """Pin the blocks of `keys` that a tier holds (or is storing) for `seconds`, counted
