@@ -69,7 +69,8 @@ class KvHints:
         for p in self.prefixes:
             if seconds(p.seconds) is None or isinstance(p.tokens, bool) or \
                     not isinstance(p.tokens, int) or p.tokens < 0:
-                return f"a cache breakpoint of {p.tokens!r} tokens kept {p.seconds!r} s"
+                return (f"a cache breakpoint keeps a prompt's first N >= 0 tokens for a finite "
+                        f"number of seconds > 0, not {p.tokens!r} tokens for {p.seconds!r} s")
         if self.expect_return_s is not None and self.expect_return_s > MAX_EXPECT_RETURN_S:
             return (f"kv_expect_return_s={self.expect_return_s:g} is past the longest hint "
                     f"kept ({MAX_EXPECT_RETURN_S:g} s)")
