@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.io.block_format import BlockHeader, Buffer, CorruptBlock, decode_whole_header, pack
 from kvtier.tier.io.block_mac import BlockMac
 from kvtier.tier.io.kind import Opened, StoreSite
-from kvtier.tier.io.store import StoreMiss
+from kvtier.tier.io.store import DeadlineReads, StoreMiss
 from kvtier.tier.jobs import Reason
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.knobs import parse_store_knobs
@@ -69,8 +68,8 @@ class SqliteBlocks:
         return [None] * len(keys)  # nothing here expires by itself
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
-              deadline: float | None = None) -> _Reads:
-        return _Reads(self, deadline)
+              deadline: float | None = None) -> DeadlineReads:
+        return DeadlineReads(lambda key, slot, out: self.read(key, out), deadline)
 
     def read(self, key: BlockKey, out: memoryview) -> tuple[BlockHeader, Buffer]:
         with self._lock:
@@ -104,19 +103,6 @@ class SqliteBlocks:
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0])
-
-
-class _Reads:
-    def __init__(self, blocks: SqliteBlocks, deadline: float | None) -> None:
-        self.blocks, self.deadline = blocks, deadline
-
-    def ready(self, key: BlockKey) -> bool:
-        return True
-
-    def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise StoreMiss(Reason.DEADLINE, "the fetch's deadline passed before its read")
-        return self.blocks.read(key, out)
 
 
 class SqliteKind:

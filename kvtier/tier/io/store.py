@@ -17,7 +17,8 @@ bookkeeping (`books/protocol.py`), and the `StoreKind` that opens both (`stores/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.errors import KvtierError
@@ -96,6 +97,24 @@ class SecondaryStore(Protocol):
     def close(self) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+class DeadlineReads:
+    """One fetch's reads from a store that reads a block at a time (a file, a row), each
+    started only before the fetch's `deadline` (a read in progress then is not interrupted:
+    a fetch ends at most one block's read past it)."""
+
+    def __init__(self, read: Callable[[BlockKey, int, memoryview], tuple[BlockHeader, Buffer]],
+                 deadline: float | None) -> None:
+        self._read, self.deadline = read, deadline
+
+    def ready(self, key: BlockKey) -> bool:
+        return True  # every read is the store's own, at hand
+
+    def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise StoreMiss(Reason.DEADLINE, "the fetch's deadline passed before its read")
+        return self._read(key, slot, out)
 
 
 def batches(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:

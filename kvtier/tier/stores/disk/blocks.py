@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.tier.io.block_format import BlockHeader, Buffer
-from kvtier.tier.io.store import StoreMiss
-from kvtier.tier.jobs import Reason
+from kvtier.tier.io.store import DeadlineReads, StoreMiss
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.stores.disk.file import DiskStore
 
@@ -47,8 +46,8 @@ class DiskBlocks:
         return not self.max_gbps  # a capped disk is paced one read at a time
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
-              deadline: float | None = None) -> _DiskReads:
-        return _DiskReads(self, deadline)  # every read is one local pread, into its row
+              deadline: float | None = None) -> DeadlineReads:
+        return DeadlineReads(self.read, deadline)  # every read is one local pread, into its row
 
     def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
         began = time.perf_counter()
@@ -74,19 +73,3 @@ class DiskBlocks:
             left = nbytes / (self.max_gbps * 1e9) - (time.perf_counter() - began)
             if left > 0:
                 time.sleep(left)
-
-
-class _DiskReads:
-    """One fetch's disk reads, each started only before the fetch's `deadline` (a read in
-    progress then is not interrupted: a fetch ends at most one block's read past it)."""
-
-    def __init__(self, blocks: DiskBlocks, deadline: float | None) -> None:
-        self.blocks, self.deadline = blocks, deadline
-
-    def ready(self, key: BlockKey) -> bool:
-        return True
-
-    def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise StoreMiss(Reason.DEADLINE, "the fetch's deadline passed before its read")
-        return self.blocks.read(key, slot, out)

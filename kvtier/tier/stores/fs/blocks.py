@@ -23,7 +23,6 @@ import os
 import secrets
 import stat
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from kvtier.tier.io.block_format import (
     pack,
 )
 from kvtier.tier.io.block_mac import BlockMac
-from kvtier.tier.io.store import StoreMiss
+from kvtier.tier.io.store import DeadlineReads, StoreMiss
 from kvtier.tier.jobs import Reason
 from kvtier.tier.keys import BlockKey, Medium
 
@@ -93,8 +92,17 @@ class FsBlocks:
         return [None] * len(keys)  # a shared directory expires nothing by itself
 
     def reads(self, keys: Sequence[BlockKey], rows: Sequence[memoryview],
-              deadline: float | None = None) -> _FileReads:
-        return _FileReads(self, deadline)
+              deadline: float | None = None) -> DeadlineReads:
+        return DeadlineReads(self._counted_read, deadline)
+
+    def _counted_read(self, key: BlockKey, slot: int, out: memoryview
+                      ) -> tuple[BlockHeader, Buffer]:
+        """`read`, its OSError counted (a shared directory has no slots)."""
+        try:
+            return self.read(key, out)
+        except OSError as e:
+            self.note_error(e)
+            raise
 
     def read(self, key: BlockKey, out: memoryview) -> tuple[BlockHeader, Buffer]:
         """The block's header, and its payload read into `out`."""
@@ -181,25 +189,6 @@ class FsBlocks:
         with self._lock:
             self.errors += 1
             self.last_error = e.strerror or type(e).__name__
-
-
-class _FileReads:
-    """One fetch's reads, each started only before the fetch's `deadline`."""
-
-    def __init__(self, blocks: FsBlocks, deadline: float | None) -> None:
-        self.blocks, self.deadline = blocks, deadline
-
-    def ready(self, key: BlockKey) -> bool:
-        return True  # every read is one local (or mounted) file
-
-    def read(self, key: BlockKey, slot: int, out: memoryview) -> tuple[BlockHeader, Buffer]:
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise StoreMiss(Reason.DEADLINE, "the fetch's deadline passed before its read")
-        try:
-            return self.blocks.read(key, out)
-        except OSError as e:
-            self.blocks.note_error(e)
-            raise
 
 
 def _read_exactly(f: Any, out: memoryview) -> memoryview:
