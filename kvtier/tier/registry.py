@@ -136,11 +136,6 @@ def configured(config: Any) -> list[ConfiguredStore]:
     return out
 
 
-def check(config: Any) -> None:
-    """Every store's knob checks (ConfigError naming the knob as written)."""
-    configured(config)
-
-
 def aliases() -> dict[str, tuple[Registered, str]]:
     """Every flat store knob (`disk_kv_size`) -> (its store, its knob)."""
     return {alias: (kind, knob) for kind in built_in() for alias, knob in kind.aliases.items()}

@@ -25,8 +25,6 @@ from kvtier.tier import BlockKey, Hint, KvHints, TierManager, seconds
 log = logging.getLogger(__name__)
 
 PREFIX = "kvtier_"  # each hint's key: kvtier_retention_s, kvtier_expect_return_s
-RETENTION = PREFIX + Hint.RETENTION.value
-EXPECT_RETURN = PREFIX + Hint.EXPECT_RETURN.value
 INVALID = "refused:invalid"
 
 
