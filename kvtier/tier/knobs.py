@@ -120,3 +120,9 @@ def parse_store_knobs(cls: type[T], store: str, raw: Any, aliases: Mapping[str, 
             raise ConfigError(f"{named}={value} must be a finite number")
         values[knob], given[knob] = value, named
     return cls(**values), Spelling(store, aliases, given)
+
+
+def store_entry(knobs: Any) -> dict[str, Any]:
+    """A store's parsed knobs back as its `kv_stores` entry (the knobs left unset left out):
+    what `parse_store_knobs` reads, for a config made from another (a rank's share)."""
+    return {k: v for k, v in dataclasses.asdict(knobs).items() if v is not None}

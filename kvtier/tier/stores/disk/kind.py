@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +14,7 @@ from kvtier.errors import ConfigError
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.io.kind import Opened, StoreSite
 from kvtier.tier.keys import Medium
-from kvtier.tier.knobs import check_bounds, parse_store_knobs
+from kvtier.tier.knobs import check_bounds, parse_store_knobs, store_entry
 from kvtier.tier.stores.disk.probe import measure_disk_gbps
 
 if TYPE_CHECKING:
@@ -71,8 +71,7 @@ class DiskKind:
 
     def rank_share(self, knobs: DiskKnobs, rank: int, world_size: int) -> Mapping[str, Any]:
         """1/world of the size, and a directory of the rank's own (its file is locked)."""
-        given = {k: v for k, v in asdict(knobs).items() if v is not None}
-        return {**given, "size": knobs.size / world_size,
+        return {**store_entry(knobs), "size": knobs.size / world_size,
                 "path": os.path.join(str(knobs.path), f"rank{rank}")}
 
     def open_both(self, site: StoreSite, knobs: DiskKnobs) -> Opened:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.io.kind import Opened, StoreSite
 from kvtier.tier.io.probe import cold_read_gbps
 from kvtier.tier.keys import Medium
-from kvtier.tier.knobs import parse_store_knobs
+from kvtier.tier.knobs import parse_store_knobs, store_entry
 
 if TYPE_CHECKING:
     from kvtier.tier.stores.fs.blocks import FsBlocks
@@ -68,7 +68,7 @@ class FsKind:
 
     def rank_share(self, knobs: FsKnobs, rank: int, world_size: int) -> Mapping[str, Any]:
         """Every rank in the same directory (each rank's blocks name its split)."""
-        return {k: v for k, v in asdict(knobs).items() if v is not None}
+        return store_entry(knobs)
 
     def open_both(self, site: StoreSite, knobs: FsKnobs) -> Opened:
         blocks = self.open_bytes(site, knobs)

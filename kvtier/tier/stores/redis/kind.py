@@ -6,14 +6,14 @@ connection of its own, the worker moves the bytes on another."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
 from kvtier.tier.books.protocol import SecondaryIndex
 from kvtier.tier.io.kind import Opened, StoreSite
 from kvtier.tier.keys import Medium
-from kvtier.tier.knobs import check_bounds, parse_store_knobs
+from kvtier.tier.knobs import check_bounds, parse_store_knobs, store_entry
 from kvtier.tier.stores.redis.probe import remote_rate
 from kvtier.tier.stores.redis.url import SCHEMES, is_cluster_url, validate_url
 
@@ -84,7 +84,7 @@ class RedisKind:
 
     def rank_share(self, knobs: RedisKnobs, rank: int, world_size: int) -> Mapping[str, Any]:
         """Every rank on the same store (each rank's keys name its split)."""
-        return {k: v for k, v in asdict(knobs).items() if v is not None}
+        return store_entry(knobs)
 
     def open_both(self, site: StoreSite, knobs: RedisKnobs) -> Opened:
         blocks = self.open_bytes(site, knobs)
