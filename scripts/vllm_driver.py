@@ -83,14 +83,13 @@ class KVEventListener:
         return events
 
 
-def drop_page_cache(directory: str, settle_s: float = 1.5) -> None:
-    """Let the connector's write-on land (it keeps vLLM stepping until it has), then have
-    the kernel forget every page of the files under `directory` (the benchmarks' own
-    `drop_cache`)."""
+def drop_page_cache(llm: Any, directory: str) -> None:
+    """Let the connector's write-on land (`settle`), then have the kernel forget every page
+    of the files under `directory` (the benchmarks' own `drop_cache`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from disk_layout import drop_cache
 
-    time.sleep(settle_s)
+    settle(llm)
     drop_cache([path for path in Path(directory).rglob("*") if path.is_file()])
 
 
@@ -98,6 +97,21 @@ def _connector(llm: Any) -> Any:
     """The scheduler's connector, where the engine core runs in this process (else None)."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     return None if core is None else core.scheduler.connector
+
+
+def settle(llm: Any, limit_s: float = 60.0, otherwise_s: float = 1.5) -> None:
+    """Step the engine while kvtier has jobs below host, as `vllm serve`'s busy loop does
+    (`has_pending_push_work`): `LLM.generate` stops stepping when its requests finish, so a
+    write that lands later would never be counted. An engine core in another process steps
+    by itself: there, wait `otherwise_s`."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        time.sleep(otherwise_s)
+        return
+    deadline = time.monotonic() + limit_s
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.005)
 
 
 def abort_wake(llm: Any, request_id: str, ids: list[int], params: Any) -> dict[str, Any]:
@@ -196,7 +210,7 @@ def main() -> None:
     resets = []
     for n, (entry, salt) in enumerate(zip(spec["prompts"], salts)):
         if n in cold:
-            drop_page_cache(spec["cold_path"])
+            drop_page_cache(llm, spec["cold_path"])
         elif n in idle:
             time.sleep(spec["idle_s"])
         late = None
@@ -245,8 +259,10 @@ def main() -> None:
             **({} if late is None else {"late": late}),
         })
     metrics = {}
-    if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it);
-        # read from the registry itself: llm.get_metrics() rounds counters to integers
+    if spec.get("metrics"):  # what vLLM's Prometheus logger holds (as /metrics serves it),
+        # once the writes below host have landed and been counted; read from the registry
+        # itself: llm.get_metrics() rounds counters to integers
+        settle(llm)
         from prometheus_client import REGISTRY
 
         for family in REGISTRY.collect():

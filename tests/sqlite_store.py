@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ READ_GBPS = 0.5  # what the planner starts from; refined by every fetch
 @dataclass(frozen=True)
 class SqliteKnobs:
     path: str | None = None  # the database file the instances share
+    write_delay_s: float = 0.0  # each write waits this long first: a far store's stand-in
 
 
 class SqliteBlocks:
@@ -37,9 +39,10 @@ class SqliteBlocks:
 
     parallel_reads = False  # one connection, one lock
 
-    def __init__(self, path: Path, namespace: bytes, medium: Medium, mac: BlockMac | None
-                 ) -> None:
+    def __init__(self, path: Path, namespace: bytes, medium: Medium, mac: BlockMac | None,
+                 write_delay_s: float = 0.0) -> None:
         self.namespace, self.medium, self.mac = namespace, medium, mac
+        self.write_delay_s = write_delay_s
         self._db = sqlite3.connect(path, timeout=30, check_same_thread=False,
                                    isolation_level=None)
         self._lock = threading.Lock()
@@ -59,6 +62,7 @@ class SqliteBlocks:
               ) -> list[OSError | StoreMiss | None]:
         rows = [(self.namespace, bytes(h.key), pack(h, p, self.mac))
                 for h, p in zip(headers, payloads)]
+        time.sleep(self.write_delay_s)
         with self._lock:
             self._db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", rows)
         return [None] * len(rows)
@@ -128,7 +132,8 @@ class SqliteKind:
 
     def open_bytes(self, site: StoreSite, knobs: SqliteKnobs) -> SqliteBlocks:
         namespace = site.mac.store_namespace(site.namespace) if site.mac else site.namespace
-        blocks = SqliteBlocks(Path(str(knobs.path)), namespace, self.medium, site.mac)
+        blocks = SqliteBlocks(Path(str(knobs.path)), namespace, self.medium, site.mac,
+                              knobs.write_delay_s)
         site.undo.callback(blocks.close)
         return blocks
 

@@ -213,14 +213,16 @@ def test_a_second_vllm_hits_the_first_ones_prefix_through_a_redis_cluster(
     assert run["metrics"]["vllm:kvtier_fetched_blocks{tier=remote}"] == 7
 
 
-@pytest.mark.parametrize("store, tier", [("fs", "fs"), ("sqlite_store:SQLITE", "sqlite")])
+@pytest.mark.parametrize("store, tier, knobs", [
+    ("fs", "fs", {}), ("sqlite_store:SQLITE", "sqlite", {"write_delay_s": 0.5})])
 def test_a_second_vllm_wakes_the_prefix_from_a_shared_store(
         vllm_python: Path, smollm2_hf: Path, reference: list[dict], tmp_path: Path,
-        store: str, tier: str) -> None:
+        store: str, tier: str, knobs: dict[str, Any]) -> None:
     """A plug-in store under vLLM, kvtier's own (a shared directory) or one that lives in
     tests/ and loads by module path: its knobs come in kv_stores, the scheduler asks the store
-    for presence, the worker reads its blocks into host rows."""
-    shared = {**HOST, "kv_stores": {store: {"path": str(tmp_path / "shared")}}}
+    for presence, the worker reads its blocks into host rows. The SQLite store is slow to
+    write: its writes land after the request has finished, and are counted all the same."""
+    shared = {**HOST, "kv_stores": {store: {"path": str(tmp_path / "shared"), **knobs}}}
     env = {"PYTHONPATH": str(Path(__file__).parents[1])}  # tests/, where sqlite_store lives
     first = serve_a(vllm_python, smollm2_hf, shared, env=env)
     assert first["tokens"] == reference[0]["tokens"]
