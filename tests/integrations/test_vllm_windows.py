@@ -93,8 +93,10 @@ def test_gemma3_under_the_hybrid_allocator_restores_every_group_exactly(
     window_blocks = WINDOW // BLOCK_SIZE
     assert sorted(restored.values()) == [window_blocks] * 5 + [FULL // BLOCK_SIZE]
     assert sum(label.endswith(":full") for label in restored) == 1
-    # per prompt: every block of the global layer's group, the window of each other group
-    assert m["vllm:kvtier_stored_blocks"] <= 9 * (10 + 5 * window_blocks)
+    # at most, for each of the ten prompts: every block of the global layer's group and the
+    # window of each other group (all six groups' blocks would be 10 * 60); the driver counts
+    # every store that lands after the last request (181 here), none are lost in its race
+    assert m["vllm:kvtier_stored_blocks"] <= len(run["results"]) * (10 + 5 * window_blocks)
 
 
 def test_an_ssm_model_stops_vllm_at_start_with_kvtiers_message(
