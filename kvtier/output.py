@@ -61,11 +61,18 @@ class RequestOutput:
     num_restored_tokens: int = 0  # loaded from the host tier (fetched up to it first if deeper)
     num_swapped_in_tokens: int = 0  # restored after preemptions (not counted above)
     num_recomputed_tokens: int = 0  # state that existed but was computed again
+    num_cache_write_tokens: int = 0  # prompt tokens it computed into the prefix cache
     restore_bytes: int = 0
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
     error: str | None = None  # finish_reason "error": why serving this request failed
     # what each hint it asked got (retention, breakpoints, an expected return)
     hint_reply: HintReply = field(default_factory=HintReply)
+
+    @property
+    def num_read_tokens(self) -> int:
+        """Prompt tokens it did not compute: found on the device or restored from a tier
+        (what OpenAI's `cached_tokens` and Anthropic's `cache_read_input_tokens` count)."""
+        return self.num_cached_tokens + self.num_restored_tokens
 
     @property
     def retention(self) -> float | str | None:
@@ -100,7 +107,8 @@ class RequestOutput:
             finished=seq.is_finished, residency=seq.residency,
             num_restored_tokens=seq.num_restored_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
-            num_recomputed_tokens=seq.num_recomputed_tokens, restore_bytes=seq.restore_bytes,
+            num_recomputed_tokens=seq.num_recomputed_tokens,
+            num_cache_write_tokens=seq.num_cache_write_tokens, restore_bytes=seq.restore_bytes,
             lossy=seq.lossy, hint_reply=seq.hint_reply,
         )
 
@@ -117,6 +125,7 @@ class StreamDelta:
     residency: Residency
     holdback: int  # trailing characters that may still turn out to begin a stop string
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
+    num_read_tokens: int = 0  # prompt tokens found on the device or restored, at admission
 
     @classmethod
     def of(cls, seq: Sequence, finished: bool) -> StreamDelta:
@@ -124,7 +133,8 @@ class StreamDelta:
         if not finished:  # a multi-byte character still being assembled decodes as U+FFFD
             hold = max(hold, len(seq.output_text) - len(seq.output_text.rstrip("\ufffd")))
         return cls(seq.request_id, seq.output_text, len(seq.output_token_ids), finished,
-                   seq.residency, hold, seq.lossy)
+                   seq.residency, hold, seq.lossy,
+                   seq.num_cached_tokens + seq.num_restored_tokens)
 
 
 class StopChecker:

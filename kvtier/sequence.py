@@ -195,6 +195,9 @@ class Sequence:
     num_restored_tokens: int = 0  # prompt tokens restored at admission (<= the prompt)
     num_swapped_in_tokens: int = 0  # its own state restored after each preemption
     num_recomputed_tokens: int = 0
+    # prompt tokens of full blocks it computed and published in the prefix cache (beyond
+    # what it read): what usage reports as written to the cache
+    num_cache_write_tokens: int = 0
     restore_bytes: int = 0
     restore_s: float = 0.0
     loading: int | None = None  # tier job id of the host->device load this sequence waits for

@@ -120,7 +120,9 @@ async def _one(client: Any, body: dict[str, Any], sid: str, turn: int, sent: flo
         "itl_s": (last - first) / (n - 1) if n > 1 else None, "residency": residency,
         "restored_tokens": usage.get("restored_tokens", 0),
         "recomputed_tokens": usage.get("recomputed_tokens", 0),
-        "cached_tokens": details.get("cached_tokens") or 0,
+        # the device's share: a server's cached_tokens counts its restored tokens too
+        "cached_tokens": max(0, (details.get("cached_tokens") or 0)
+                             - usage.get("restored_tokens", 0)),
         "restore_bytes": 0, "restore_s": usage.get("restore_ms", 0.0) / 1e3,
         **split, "arrival_s": sent, "finish_s": last,
         "_token_ids": list(ids) if ids else [STAND_IN_ID + k % 1000 for k in range(n)],

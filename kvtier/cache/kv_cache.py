@@ -100,6 +100,15 @@ class KVCacheManager:
             self.pool.register(table.block_ids[i], table.keys[i], token_ids[i * bs : (i + 1) * bs])
         table.num_registered = full
 
+    def published_tokens(self, request_id: str, limit: int) -> int:
+        """Tokens of the request's first `limit` in blocks the prefix index holds (0 when
+        prefix caching is off: nothing is published)."""
+        table = self.tables.get(request_id)
+        if table is None or not self.pool.enable_prefix_caching:
+            return 0
+        return min(table.num_registered * self.block_size, limit // self.block_size
+                   * self.block_size)
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first, so shared prefixes stay cached longest."""
         table = self.tables.pop(request_id, None)

@@ -318,6 +318,10 @@ class Scheduler:
                 self.running.remove(seq)
             if seq.request_id in self.loading:
                 continue  # its blocks are being written: released when the load lands
+            # what it published in the prefix cache beyond what it read: usage's writes
+            published = self.kv.published_tokens(seq.request_id, len(seq.prompt_token_ids))
+            seq.num_cache_write_tokens = max(0, published - seq.num_cached_tokens
+                                             - seq.num_restored_tokens)
             self._write_through(seq)
             self.tier.finished(seq.request_id, seq.swapped.keys if seq.swapped else ())
             self.kv.free(seq.request_id)

@@ -61,7 +61,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class GenerationRequest(BaseModel):
+    """What every OpenAI generation request carries: sampling, caching, the engine's
+    extras."""
+
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: str
@@ -111,6 +114,17 @@ class _Common(BaseModel):
         them); RequestError past MAX_BREAKPOINTS."""
         return []
 
+    def cache_marks(self, breakpoint_tokens: list[int] | None, prompt_tokens: int
+                    ) -> list[tuple[int, str]]:
+        """Where the request writes the cache, in prompt order: each breakpoint's tokens and
+        ttl label, then (in implicit mode, the default) the whole prompt's."""
+        options = self.prompt_cache_options
+        ttl = options.ttl if options is not None and options.ttl else DEFAULT_TTL
+        marks = [(n, m.ttl or ttl) for m, n in zip(self.breakpoints(), breakpoint_tokens or [])]
+        if options is None or options.mode == "implicit":
+            marks.append((prompt_tokens, ttl))
+        return marks
+
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams, or a RequestError naming the bad field."""
         if self.n != 1:
@@ -137,7 +151,7 @@ class _Common(BaseModel):
         return None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI: top-k per token
@@ -175,7 +189,7 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -188,18 +202,39 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def breakpoints(self) -> list[PromptCacheBreakpoint]:
-        marks = [p.prompt_cache_breakpoint for m in self.messages
-                 if isinstance(m.content, list) for p in m.content
-                 if p.prompt_cache_breakpoint is not None]
-        if len(marks) > MAX_BREAKPOINTS:
-            raise RequestError(f"{len(marks)} content parts carry prompt_cache_breakpoint; a "
-                               f"request writes at most {MAX_BREAKPOINTS}")
-        return marks
+        return message_breakpoints(self.messages)
+
+    def pieces(self) -> list[tuple[str, bool]]:
+        return message_pieces(self.messages)
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+
+def message_breakpoints(messages: list[ChatMessage]) -> list[PromptCacheBreakpoint]:
+    """The cache breakpoints the messages' content parts carry, in prompt order;
+    RequestError past MAX_BREAKPOINTS."""
+    marks = [p.prompt_cache_breakpoint for m in messages if isinstance(m.content, list)
+             for p in m.content if p.prompt_cache_breakpoint is not None]
+    if len(marks) > MAX_BREAKPOINTS:
+        raise RequestError(f"{len(marks)} content parts carry prompt_cache_breakpoint; a "
+                           f"request writes at most {MAX_BREAKPOINTS}")
+    return marks
+
+
+def message_pieces(messages: list[ChatMessage]) -> list[tuple[str, bool]]:
+    """Each message's text in order, a content part's own, and whether it carries a cache
+    breakpoint (`prompt_cache.breakpoint_tokens` finds where each ends)."""
+    out: list[tuple[str, bool]] = []
+    for m in messages:
+        if isinstance(m.content, list):
+            out.extend((p.text or "", p.prompt_cache_breakpoint is not None)
+                       for p in m.content)
+        elif m.content:
+            out.append((m.content, False))
+    return out
 
 
 class PrefetchRequest(BaseModel):

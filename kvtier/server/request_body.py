@@ -8,10 +8,12 @@ import json
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 BYTES_PER_TOKEN = 32  # a token as JSON-escaped text (a \u escape is 6 bytes a character)
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer packs more characters than this into a token
 MAX_JSON_DEPTH = 32  # far beyond any OpenAI request's nesting
+UNION_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of a union's branches
 
 
 class ApiError(Exception):
@@ -84,3 +86,20 @@ def prompt_text(text: str, max_model_len: int) -> str:
         raise ApiError(400, f"the prompt has {len(text)} characters; a context of "
                        f"{max_model_len} tokens holds far fewer (at most {limit} are read)")
     return text
+
+
+def validated(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+    """`body` as `model`, else a 400 naming the field: the deepest error, since in a union
+    (a message's text or its blocks) the branch the client meant went furthest."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = max(e.errors(), key=lambda err: len(err["loc"]))
+        where = ".".join(str(p) for p in first["loc"] if not _union_branch(p)) or "body"
+        raise ApiError(400, f"{where}: {first['msg']}") from None
+
+
+def _union_branch(part: int | str) -> bool:
+    """A step of pydantic's error path that names a union's branch (`list[TextBlock]`,
+    `str`), not a field the client wrote."""
+    return isinstance(part, str) and ("[" in part or part in UNION_TAGS)

@@ -1,7 +1,7 @@
-"""POST /v1/completions and /v1/chat/completions: who asks (the tenant, whose blocks live in
-its own hash namespace), what they ask (a bounded body, validated, for the served model), and
-the prompt it makes; `Responder` answers. `guarded` turns whatever a handler did not foresee
-into a 500 in OpenAI's shape."""
+"""POST /v1/completions, /v1/chat/completions and /v1/responses: who asks (the tenant, whose
+blocks live in its own hash namespace), what they ask (a bounded body, validated, for the
+served model), and the prompt it makes; `Responder` answers. `guarded` turns whatever a
+handler did not foresee into a 500 in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -13,38 +13,30 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import RequestError
-from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.engine_loop import EngineLoop, RequestFailed
-from kvtier.server.metrics import Metrics
+from kvtier.server.prompt_cache import breakpoint_tokens
 from kvtier.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from kvtier.server.request_body import ApiError, json_body, prompt_text, read_body
+from kvtier.server.protocol_responses import ResponsesRequest
+from kvtier.server.request_body import ApiError, json_body, prompt_text, read_body, validated
 from kvtier.server.responses import Responder
+from kvtier.server.shapes_responses import ResponseShape
 
 log = logging.getLogger(__name__)
 
 
-def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
+def completion_routes(loop: EngineLoop, served_name: str, responder: Responder,
                       tenant_of: Callable[[Request], str], body_limit: int) -> APIRouter:
-    """The two generation routes; `tenant_of` authenticates (401) and `body_limit` bounds
+    """OpenAI's generation routes; `tenant_of` authenticates (401) and `body_limit` bounds
     a request body (413) before it is read whole."""
     names = {served_name, "default"}
-    responder = Responder(loop, served_name, metrics)
     router = APIRouter()
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        body = json_body(await read_body(request, body_limit))
-        try:
-            parsed = model.model_validate(body)
-        except ValidationError as e:
-            # the deepest error: in a union (a message's text or its parts) the branch the
-            # client meant went furthest
-            first = max(e.errors(), key=lambda err: len(err["loc"]))
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise ApiError(400, f"{where}: {first['msg']}") from None
+        parsed: Any = validated(model, json_body(await read_body(request, body_limit)))
         if parsed.model not in names:
             raise ApiError(404, f"model '{parsed.model}' does not exist; this server serves "
                            f"'{served_name}'", "model_not_found")
@@ -67,9 +59,34 @@ def completion_routes(loop: EngineLoop, served_name: str, metrics: Metrics,
         assert isinstance(prompt, dict)
         marks = await asyncio.to_thread(breakpoint_tokens, loop.engine.tokenizer,
                                         str(prompt.get("prompt", "")),
-                                        list(prompt["prompt_token_ids"]), req.messages)
+                                        list(prompt["prompt_token_ids"]), req.pieces())
         return await responder.serve(request, req, prompt, req.limit, tenant, chat=True,
                                      breakpoint_tokens=marks)
+
+    @router.post("/v1/responses")
+    @guarded
+    async def responses(request: Request) -> Response:
+        tenant = tenant_of(request)
+        req: ResponsesRequest = await parse(request, ResponsesRequest)
+        try:
+            req.checked()
+        except RequestError as e:
+            raise ApiError(400, str(e)) from None
+        prompt = await chat_prompt(loop, req.messages())
+        assert isinstance(prompt, dict)
+        ids = list(prompt["prompt_token_ids"])
+        marks = await asyncio.to_thread(breakpoint_tokens, loop.engine.tokenizer,
+                                        str(prompt.get("prompt", "")), ids, req.pieces())
+        # a prewarm computes the prompt and one token it never shows: nothing generated
+        limit = 1 if req.prewarm else req.max_output_tokens
+        stream = await responder.submit(prompt, tenant, req.cache_salt,
+                                        lambda: req.sampling(limit),
+                                        lambda owner: req.hints(owner, marks))
+        shape = ResponseShape(stream.request_id, served_name, req.echo(),
+                              req.cache_marks(marks, len(ids)),
+                              loop.engine.config.cache.block_size, req.prewarm)
+        return await responder.answer(
+            request, stream, lambda: responder.reply(stream, req.stream, shape, shape.whole))
 
     return router
 
@@ -96,37 +113,6 @@ async def chat_prompt(loop: EngineLoop, messages: list[ChatMessage]) -> PromptTy
     text = prompt_text(text, max_len)
     ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
     return {"prompt": text, "prompt_token_ids": ids}
-
-
-def breakpoint_tokens(tokenizer: Tokenizer, text: str, ids: list[int],
-                      messages: list[ChatMessage]) -> list[int]:
-    """Where each content part marked with `prompt_cache_breakpoint` ends in the rendered
-    prompt's tokens: the tokens of the text up to the end of that part, as far as they agree
-    with the whole prompt's (a token the cut would split is left out). The template renders
-    every part's text in order, so each is found after the one before."""
-    out: list[int] = []
-    cursor = 0
-    if not any(isinstance(m.content, list) and any(p.prompt_cache_breakpoint for p in m.content)
-               for m in messages):
-        return out
-    for m in messages:
-        parts = m.content if isinstance(m.content, list) else []
-        for part in parts:
-            piece = part.text or ""
-            at = text.find(piece, cursor)
-            if at < 0:
-                raise ApiError(400, "a content part's text is not in the prompt the chat "
-                                    "template made; its prompt_cache_breakpoint has no place")
-            cursor = at + len(piece)
-            if part.prompt_cache_breakpoint is not None:
-                head = tokenizer.encode(text[:cursor], add_special_tokens=False)
-                n = 0
-                while n < min(len(head), len(ids)) and head[n] == ids[n]:
-                    n += 1
-                out.append(n)
-        if isinstance(m.content, str) and (at := text.find(m.content, cursor)) >= 0:
-            cursor = at + len(m.content)
-    return out
 
 
 def guarded(handler: Callable[[Request], Awaitable[Response]]

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from kvtier.output import RequestOutput
+from kvtier.output import RequestOutput, StreamDelta
+from kvtier.server.prompt_cache import CacheUsage, cache_usage
+from kvtier.server.protocol import error_body
 from kvtier.tier import HintReply
 
 
@@ -16,8 +19,13 @@ class Shape:
     """OpenAI's JSON shapes for one request: whole responses, SSE chunks, usage."""
 
     def __init__(self, request_id: str, model: str, chat: bool, token_ids: bool = False,
-                 top_logprobs: int | None = None, tokenizer: Any = None) -> None:
+                 top_logprobs: int | None = None, tokenizer: Any = None,
+                 kept: Sequence[tuple[int, str]] = (), block_size: int = 1,
+                 include_usage: bool = False) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id.split("-")[-1]
+        # where the request writes the cache (`prompt_cache.cache_usage`)
+        self.kept, self.block_size = kept, block_size
+        self.include_usage = include_usage  # a streamed answer closes with a usage chunk
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.first = True
         self.with_token_ids = token_ids
@@ -39,8 +47,11 @@ class Shape:
             obj = "text_completion"
         if self.with_token_ids:
             choice["token_ids"] = out.token_ids
-        return {**self._base(obj), "choices": [choice], "usage": usage_of(out),
+        return {**self._base(obj), "choices": [choice], "usage": self.usage(out),
                 **retention_of(out.hint_reply)}
+
+    def usage(self, out: RequestOutput) -> dict[str, Any]:
+        return usage_of(out, cache_usage(out, self.kept, self.block_size))
 
     def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         """OpenAI's logprobs object: per generated token its log-probability under the
@@ -89,8 +100,29 @@ class Shape:
 
     def usage_chunk(self, out: RequestOutput) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {**self._base(obj), "choices": [], "usage": usage_of(out)}
+        body = {**self._base(obj), "choices": [], "usage": self.usage(out)}
         return f"data: {json.dumps(body)}\n\n".encode()
+
+    # the `responses.Framing` of a streamed answer
+    def opening(self, first: StreamDelta | RequestOutput) -> bytes:
+        return b""
+
+    def piece(self, text: str) -> bytes:
+        return self.chunk(text, None)
+
+    def closing(self, out: RequestOutput) -> bytes:
+        """The closing chunk (the ids, what each hint got), the usage chunk when asked,
+        `[DONE]`."""
+        body = self.chunk("", out.finish_reason, out.token_ids, out.hint_reply)
+        if self.include_usage:
+            body += self.usage_chunk(out)
+        return body + b"data: [DONE]\n\n"
+
+    @staticmethod
+    def failure(message: str, status: int) -> bytes:
+        """The error event vLLM's server streams, then the end of the stream."""
+        body = error_body(message, "server_error", str(status))
+        return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
 def retention_of(reply: HintReply) -> dict[str, Any]:
@@ -105,12 +137,15 @@ def retention_of(reply: HintReply) -> dict[str, Any]:
     return out
 
 
-def usage_of(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's `usage`, plus where the prompt's KV came from and what restoring it cost."""
+def usage_of(out: RequestOutput, cache: CacheUsage) -> dict[str, Any]:
+    """OpenAI's `usage` (`cached_tokens`: read from the device's prefix cache or restored
+    from a tier, as vLLM counts them; `cache_write_tokens`: written for a breakpoint), plus
+    where the prompt's KV came from and what restoring it cost."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": cache.read,
+                                      "cache_write_tokens": cache.written},
             "restored_tokens": out.num_restored_tokens,
             "swapped_in_tokens": out.num_swapped_in_tokens,
             "recomputed_tokens": out.num_recomputed_tokens,

@@ -73,9 +73,31 @@ def test_a_breakpoint_kept_system_prompt_comes_back_after_a_flood(server: str) -
     time.sleep(0.5)  # idle_offload_s: nothing stays cached on the device
     again = ask(c, marked("12h"), user="second question")
     usage = again.usage.model_extra
-    read = again.usage.prompt_tokens_details.cached_tokens + usage["restored_tokens"]
+    read = again.usage.prompt_tokens_details.cached_tokens  # the device's and the tier's
     assert usage["residency"] in ("host", "disk"), usage  # kept by the tier through the flood
-    assert usage["restored_tokens"] >= 96 and read >= 96, usage  # the six full blocks
+    assert read >= usage["restored_tokens"] >= 96, usage  # the six full blocks
+
+
+def test_usage_counts_what_was_read_and_what_was_written_for_a_breakpoint(
+        server: str) -> None:
+    c = client(server)
+    system = "Usage is counted here. " * 5
+    fresh = ask(c, system, user="one").usage.prompt_tokens_details
+    assert fresh.cached_tokens == 0  # never seen before
+    # implicit (the default): the whole prompt's full blocks are written
+    assert fresh.cache_write_tokens > 0 and fresh.cache_write_tokens % 16 == 0
+    again = ask(c, system, user="one").usage.prompt_tokens_details
+    assert again.cached_tokens == fresh.cache_write_tokens  # read back what it wrote
+    assert again.cache_write_tokens == 0
+    other = "Nothing here is kept. " * 5
+    explicit = ask(c, other, prompt_cache_options={"mode": "explicit"}).usage
+    assert explicit.prompt_tokens_details.cache_write_tokens == 0  # no breakpoint, no write
+    part = [{"type": "text", "text": "Only this part is kept. " * 3,
+             "prompt_cache_breakpoint": {"mode": "explicit"}}]
+    marked_part = ask(c, part, user="a question that runs on for a while",
+                      prompt_cache_options={"mode": "explicit"}).usage
+    written = marked_part.prompt_tokens_details.cache_write_tokens
+    assert 0 < written < marked_part.prompt_tokens - 16  # up to the breakpoint's block only
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -105,8 +127,8 @@ def test_more_than_four_breakpoints_or_a_bad_one_is_refused(server: str) -> None
 
 
 def test_a_breakpoint_ends_where_its_part_ends_in_the_templated_prompt(tiny: Any) -> None:
-    from kvtier.server.protocol import ChatMessage
-    from kvtier.server.routes_completions import breakpoint_tokens
+    from kvtier.server.prompt_cache import breakpoint_tokens
+    from kvtier.server.protocol import ChatCompletionRequest, ChatMessage
 
     tok = tiny.tokenizer
     mark = {"mode": "explicit"}
@@ -118,7 +140,8 @@ def test_a_breakpoint_ends_where_its_part_ends_in_the_templated_prompt(tiny: Any
                                       "prompt_cache_breakpoint": mark}]})]
     text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
     ids = tok.encode(text, add_special_tokens=False)
-    first, second = breakpoint_tokens(tok, text, ids, messages)
+    request = ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages})
+    first, second = breakpoint_tokens(tok, text, ids, request.pieces())
     head = tok.encode(text[:text.index("Rules: be brief. ") + len("Rules: be brief. ")],
                       add_special_tokens=False)
     assert 0 < first <= len(head) and ids[:first] == head[:first]  # never past its part
