@@ -180,6 +180,14 @@ class BlockPool:
             self.stats.evictions -= 1  # a demotion, not an eviction under pressure
             self.free_queue.move_to_end(block_id, last=False)
 
+    def purge(self, keys: Sequence[BlockKey]) -> tuple[int, int]:
+        """Forget the free blocks cached under `keys` (reused first, like `uncache`); a
+        block a request holds keeps its key. (Dropped, kept in use.)"""
+        held = [self.index[k] for k in dict.fromkeys(keys) if k in self.index]
+        free = [b for b in held if self.ref_cnt[b] == 0]
+        self.uncache(free)
+        return len(free), len(held) - len(free)
+
     def _evict(self, block_id: int) -> None:
         key = self.key[block_id]
         if key is not None:

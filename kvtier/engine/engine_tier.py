@@ -9,7 +9,16 @@ from typing import Protocol
 
 from kvtier.config import OffloadPolicy
 from kvtier.engine.batch import SchedulerOutput
-from kvtier.tier import BlockKey, Event, HintReply, KvHints, Match, Prefetch, RequestOutcome
+from kvtier.tier import (
+    BlockKey,
+    Event,
+    HintReply,
+    KvHints,
+    Match,
+    Prefetch,
+    Purged,
+    RequestOutcome,
+)
 
 
 class EngineTier(Protocol):
@@ -41,6 +50,7 @@ class EngineTier(Protocol):
     def outcome(self, request_id: str) -> RequestOutcome: ...
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None: ...
     def forget(self, keys: Sequence[BlockKey]) -> None: ...
+    def purge(self, keys: Sequence[BlockKey]) -> tuple[Purged, list[Event]]: ...
     def swap_worth_it(self, tokens: int, num_blocks: int, mode: str) -> bool: ...
 
     # what the client's hints and the pool's policies ask

@@ -152,6 +152,24 @@ class LLMEngine:
                 "host_blocks": found.host_blocks, "fetching_blocks": found.fetching_blocks,
                 "from": [m.value for m in found.media], "limited_blocks": found.limited}
 
+    def purge(self, prompt: PromptType, cache_salt: str = "") -> dict[str, Any]:
+        """Remove this prompt's full blocks (in `cache_salt`'s namespace) from every tier:
+        the device's free cached copies and the host's now, the copies below host erased
+        (a disk slot overwritten, a file or a key deleted) before this returns. A copy a
+        running request or a job still uses stays (counted `_in_use`: ask again when it is
+        done). RequestError for a prompt no request could send."""
+        _, token_ids = self._checked_prompt(prompt)
+        bs = self.scheduler.block_size
+        keys = hash_blocks(self.namespace(cache_salt), token_ids, bs)
+        device, device_in_use = self.pool.purge(keys)
+        purged, events = self.tier.purge(keys)
+        self.scheduler.apply(events)
+        return {"prompt_tokens": len(token_ids), "blocks": len(keys),
+                "device_blocks": device, "device_in_use": device_in_use,
+                "host_blocks": purged.host_blocks, "host_in_use": purged.host_in_use,
+                "erased": {m.value: n for m, n in purged.below.items()},
+                "erase_failures": {m.value: n for m, n in purged.erase_failures.items()}}
+
     def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, refused (RequestError) where no request could
         send it: empty, outside the vocabulary, or past max_model_len."""

@@ -142,6 +142,7 @@ def below_host_stats(ms: TierStats, stores: Mapping[str, Any]) -> dict[str, Any]
         "write_failures": dict(b.write_failures),
         "write_failure_reasons": {str(m): n for m, n in b.write_failure_reasons.items()},
         "renewed_blocks": dict(b.renewed_blocks), "renew_failures": dict(b.renew_failures),
+        "erased_blocks": dict(b.erased_blocks), "erase_failures": dict(b.erase_failures),
         "encoding": b.encoding or None,
         "fetched_blocks": dict(b.fetched_blocks), "fetched_bytes": dict(b.fetched_bytes),
         "fetch_seconds": dict(b.fetch_seconds),

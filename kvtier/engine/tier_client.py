@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvtier.cache.block_pool import BlockPool
 from kvtier.config import EngineConfig, OffloadPolicy, WritePolicy
@@ -30,7 +31,9 @@ from kvtier.tier import (
     KvHints,
     KVLayout,
     Match,
+    Medium,
     Prefetch,
+    Purged,
     Refusal,
     RequestOutcome,
     StoreDone,
@@ -123,6 +126,19 @@ class TierClient:
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         self.manager.finished(request_id, swap_keys)
+
+    def purge(self, keys: Sequence[BlockKey]) -> tuple[Purged, list[Event]]:
+        """Remove `keys` from every tier, the erasing below host done before it returns
+        (every job in flight lands meanwhile: their events are the scheduler's)."""
+        below = self.manager.report().below
+        before = dict(below.erase_failures) if below is not None else {}
+        purged = self.manager.purge(keys)
+        events = self.drain()
+        below = self.manager.report().below
+        after = dict(below.erase_failures) if below is not None else {}
+        failed = {Medium(m): n - before.get(m, 0) for m, n in after.items()
+                  if n > before.get(m, 0)}
+        return replace(purged, erase_failures=failed), events
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         self.manager.forget(keys)
@@ -324,6 +340,9 @@ class NullTier:
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         pass
+
+    def purge(self, keys: Sequence[BlockKey]) -> tuple[Purged, list[Event]]:
+        return Purged(), []  # no tier: nothing is kept anywhere
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         pass

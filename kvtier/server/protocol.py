@@ -237,8 +237,9 @@ def message_pieces(messages: list[ChatMessage]) -> list[tuple[str, bool]]:
     return out
 
 
-class PrefetchRequest(BaseModel):
-    """POST /v1/kv/prefetch: the prompt (or chat messages) a request will send soon."""
+class KvPromptRequest(BaseModel):
+    """The prompt (or chat messages) a KV route acts on: one a request will send soon
+    (POST /v1/kv/prefetch), one whose blocks go (DELETE /v1/kv)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -250,8 +251,8 @@ class PrefetchRequest(BaseModel):
     def check(self) -> None:
         """One of prompt and messages (RequestError otherwise)."""
         if (self.prompt is None) == (self.messages is None):
-            raise RequestError("give the prompt to prefetch as exactly one of 'prompt' "
-                               "(text or token ids) and 'messages'")
+            raise RequestError("name the prompt as exactly one of 'prompt' (text or token "
+                               "ids) and 'messages'")
 
 
 def tenant_salt(tenant: str, cache_salt: str | None) -> str:

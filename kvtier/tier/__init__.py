@@ -70,7 +70,7 @@ from kvtier.tier.config import (
 )
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
-from kvtier.tier.hints import Hint, HintReply, KvHints, PrefixRetention, seconds
+from kvtier.tier.hints import Hint, HintReply, KvHints, PrefixRetention, Purged, seconds
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import (
     BlockKey,
@@ -157,6 +157,7 @@ __all__ = [
     "Planner",
     "Prefetch",
     "PrefixRetention",
+    "Purged",
     "Reason",
     "Refusal",
     "RequestOutcome",

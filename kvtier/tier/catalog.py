@@ -133,6 +133,13 @@ RENEWED_BLOCKS = Family("Blocks a tier below host that expires them (a TTL) was 
 RENEW_FAILURES = Family("Blocks a tier below host could not be told to keep longer "
                         "(unreachable): their TTL may end before the retention",
                         (Label.TIER,), vllm="renew_failures", serve="tier_renew_failures")
+ERASED_BLOCKS = Family("Blocks a purge erased from a tier below host (a disk slot overwritten, "
+                       "a file or a key deleted; for a shared store, the keys it was told to "
+                       "delete)", (Label.TIER,), vllm="erased_blocks",
+                       serve="tier_blocks_erased")
+ERASE_FAILURES = Family("Blocks a purge could not erase from a tier below host (unreachable, "
+                        "an I/O error): their bytes stay there", (Label.TIER,),
+                        vllm="erase_failures", serve="tier_erase_failures")
 MISS_BLOCKS = Family("Blocks found below host but not served, by reason (kvtier.tier.Reason: "
                      "fingerprint, checksum, mac, missing, io, unavailable, deadline, ...; "
                      "blocks refused at start included); each one recomputed",
@@ -168,7 +175,8 @@ CATALOG: tuple[Family, ...] = (
     LOSSY_RESTORED_TOKENS, FAILED_LOADS, STORED_BLOCKS, STORED_BYTES, FAILED_STORES,
     STORE_REFUSED, CACHE_RESETS, RESET_DROPPED_HOST_BLOCKS, STEP_SECONDS, HOOK_SECONDS,
     RESTORED_BLOCKS, DECLINED, WRITTEN_BLOCKS, WRITTEN_BYTES, WRITE_FAILURES, FETCHED_BLOCKS,
-    FETCHED_BYTES, FETCH_SECONDS, RENEWED_BLOCKS, RENEW_FAILURES, MISS_BLOCKS, WRITE_FAILURE_BLOCKS,
+    FETCHED_BYTES, FETCH_SECONDS, RENEWED_BLOCKS, RENEW_FAILURES, ERASED_BLOCKS, ERASE_FAILURES,
+    MISS_BLOCKS, WRITE_FAILURE_BLOCKS,
     TENANT_HITS, TENANT_EVICTIONS, RETENTION_GRANTED, RETENTION_REFUSED, TENANT_RETENTION,
     TENANT_PREFETCH, TENANT_BYTES, DISK_SLOTS)
 BY_VLLM_KEY: Mapping[str, Family] = {f.vllm: f for f in CATALOG if f.vllm is not None}
@@ -202,7 +210,9 @@ def rows(report: TierStats) -> Iterator[Row]:
                                (FETCHED_BYTES, b.fetched_bytes),
                                (FETCH_SECONDS, b.fetch_seconds),
                                (RENEWED_BLOCKS, b.renewed_blocks),
-                               (RENEW_FAILURES, b.renew_failures)):
+                               (RENEW_FAILURES, b.renew_failures),
+                               (ERASED_BLOCKS, b.erased_blocks),
+                               (ERASE_FAILURES, b.erase_failures)):
             # every store that runs has its series, at 0 until it counts
             for tier in dict.fromkeys([*b.stores, *counts]):
                 yield Row(family, (Medium(tier),), counts.get(tier, 0))

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kvtier.tier.books.returns import MAX_EXPECT_RETURN_S
 from kvtier.tier.books.tenancy import Grant
+from kvtier.tier.keys import Medium
 
 
 class Hint(str, enum.Enum):
@@ -112,3 +114,18 @@ class HintReply:
         if self.expect_return is not None:
             out[Hint.EXPECT_RETURN] = self.expect_return.value
         return out
+
+
+@dataclass(frozen=True)
+class Purged:
+    """What a purge of a prefix's blocks did in each tier: the device's free cached copies
+    and the host's dropped, the copies a request or a job still uses kept (ask again once
+    they finish), and below host the copies erased per medium (a shared store: the keys it
+    was told to delete) and those a store failed to erase."""
+
+    device_blocks: int = 0
+    device_in_use: int = 0
+    host_blocks: int = 0
+    host_in_use: int = 0
+    below: Mapping[Medium, int] = field(default_factory=dict)
+    erase_failures: Mapping[Medium, int] = field(default_factory=dict)  # their bytes stay

@@ -3,7 +3,8 @@
 A `Job` names its source and destination medium; the worker routes it by that pair:
     DEVICE -> HOST   store: device blocks into host slots
     HOST -> DEVICE   load: host slots into freshly allocated device blocks (maybe layerwise)
-    HOST -> a store below  write: host rows down to a deeper tier, one header per block
+    HOST -> a store below  write: host rows down to a deeper tier, one header per block (or
+                           no bytes: a renewal of its TTLs, an erase of its copies)
     a store below -> HOST  fetch: blocks up into host rows, verified before they count
 Ids are assigned by the manager (one counter for every hop), so a client maps nothing.
 Events are what `TierManager.apply` hands back: `LoadDone` and `FetchDone` for the request
@@ -96,6 +97,9 @@ class Job:
     # a write of no bytes (host_slots empty): the stored `keys` are kept at least until
     # `keep_until` (a retention granted after they went down to a store that expires them)
     renew: bool = False
+    # a write of no bytes: the stored `keys` (at `below_slots`) are erased where they live,
+    # a disk slot overwritten whole, a file or a key deleted (a purge)
+    erase: bool = False
 
     @property
     def num_blocks(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from kvtier.tier.io.block_format import (
     payload_checksum,
 )
 from kvtier.tier.io.kind import StoreSite, configured_stores
-from kvtier.tier.io.store import SecondaryStore
+from kvtier.tier.io.store import SecondaryStore, StoreMiss
 from kvtier.tier.io.verify import read_verified
 from kvtier.tier.jobs import Miss, Reason
 from kvtier.tier.keys import BlockKey, Medium
@@ -178,7 +178,8 @@ class PageStore:
                 break
             if verdict.bad:
                 self._miss(s.blocks.medium, verdict.reason)
-                s.blocks.discard(key, slot)
+                with suppress(OSError, ValueError, StoreMiss):  # it stays: checked again
+                    s.blocks.discard(key, slot)
                 dropped.append(key)
                 break
             if verdict.payload is not None and verdict.payload is not row:

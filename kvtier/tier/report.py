@@ -95,6 +95,9 @@ class BelowReport:
     # blocks a store that expires them kept longer for a retention granted after their write
     renewed_blocks: Mapping[str, int] = field(default_factory=dict)
     renew_failures: Mapping[str, int] = field(default_factory=dict)
+    # blocks a purge erased (a shared store: keys it was told to delete), and failed to
+    erased_blocks: Mapping[str, int] = field(default_factory=dict)
+    erase_failures: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

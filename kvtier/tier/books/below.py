@@ -51,6 +51,8 @@ class BelowStats:
     refused: int = 0  # writes or fetches the host or disk tier had no room for
     renewed: Counter[str] = field(default_factory=Counter)  # blocks a later retention kept
     renew_failures: Counter[str] = field(default_factory=Counter)
+    erased: Counter[str] = field(default_factory=Counter)  # blocks a purge erased
+    erase_failures: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -110,7 +112,8 @@ class BelowHost:
             encoding=self.encoding,
             stores={t.medium.value: t.stats for t in self.tiers},
             lookups_answered_absent=sum(t.answered_absent for t in self.tiers),
-            renewed_blocks=dict(s.renewed), renew_failures=dict(s.renew_failures))
+            renewed_blocks=dict(s.renewed), renew_failures=dict(s.renew_failures),
+            erased_blocks=dict(s.erased), erase_failures=dict(s.erase_failures))
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -176,6 +179,29 @@ class BelowHost:
                 self._add(_Pending(Job(next(self._ids), Medium.HOST, tier.medium, (),
                                        keys=tuple(keys), media=(tier.medium,) * len(keys),
                                        keep_until=tuple(until), renew=True)))
+
+    def purge(self, keys: Sequence[BlockKey]) -> dict[Medium, int]:
+        """Erase `keys` from every tier below host. A local tier's copies no job pins leave
+        its books now and an erase job overwrites their slots (queued ahead of any write
+        that could reuse one); a shared store is asked to delete every key (it holds what
+        others wrote too). Per medium: the copies dropped, or for a shared store the keys
+        asked."""
+        keys = list(dict.fromkeys(keys))
+        out: dict[Medium, int] = {}
+        for tier in self.tiers:
+            if isinstance(tier, SlotTier):
+                held = {k: tier.slot_of(k) for k in keys if tier.lookup([k]) == 1}
+                tier.remove(list(held))
+                gone = [k for k in held if tier.lookup([k]) == 0]  # a pinned one stays
+                erase, slots = gone, [held[k] for k in gone]
+            else:
+                erase, slots = keys, [-1] * len(keys)
+            out[tier.medium] = len(erase)
+            if erase:
+                self._add(_Pending(Job(next(self._ids), Medium.HOST, tier.medium, (),
+                                       keys=tuple(erase), media=(tier.medium,) * len(erase),
+                                       below_slots=tuple(slots), erase=True)))
+        return out
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
@@ -293,6 +319,15 @@ class BelowHost:
             self.stats.renewed[t.dst.value] += kept
             if kept < len(t.keys):
                 self.stats.renew_failures[t.dst.value] += len(t.keys) - kept
+            return None
+        if t.erase:  # nothing held; what a store failed to erase is counted and logged
+            erased = sum(outcome.ok)
+            self.stats.erased[t.dst.value] += erased
+            if erased < len(t.keys):
+                self.stats.erase_failures[t.dst.value] += len(t.keys) - erased
+                log.warning("kvtier: %d blocks could not be erased from the %s tier (%s); "
+                            "they stay there", len(t.keys) - erased, t.dst,
+                            next(r for r in outcome.reasons if r))
             return None
         failed = [bool(r) and r != SKIPPED for r in outcome.reasons]  # not SKIPPED, not OK
         for medium, reason, bad in zip(t.media, outcome.reasons, failed):

@@ -20,6 +20,8 @@ Primitives, in the order a client calls them:
                                     manager's own, no event reaches the client)
   reset()                           the client's keys move to a new identity (its engine's
                                     weights may have changed): drop every unpinned host block
+  purge(keys) -> Purged             a client's purge: out of host now, erased below host by
+                                    jobs (a disk slot overwritten, a file or key deleted)
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
 and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
@@ -48,7 +50,7 @@ from kvtier.tier.books.returns import ExpectedReturns
 from kvtier.tier.books.state import PendingTransfer, RequestBooks
 from kvtier.tier.books.tenancy import Grant, Refusal
 from kvtier.tier.config import TierConfig
-from kvtier.tier.hints import Hint, HintReply, KvHints
+from kvtier.tier.hints import Hint, HintReply, KvHints, Purged
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key
 from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
@@ -309,6 +311,16 @@ class TierManager:
         longer retained: no request here can ask for them, so they pin nothing."""
         self.host.tenancy.release_all()
         return self.host.remove(self.host.complete_keys())
+
+    def purge(self, keys: Sequence[BlockKey]) -> Purged:
+        """Remove `keys` from host and every tier below it (a client's purge): the host's
+        copies no job pins are dropped now, the copies below are erased by jobs (a disk slot
+        overwritten whole, a file or a key deleted) that run before any later write."""
+        keys = list(dict.fromkeys(keys))
+        present = [k for k in keys if self.host.lookup([k]) == 1]
+        dropped = self.host.remove(present)
+        return Purged(host_blocks=dropped, host_in_use=len(present) - dropped,
+                      below=self.below.purge(keys))
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         """Drop a request's swap entries (pinned ones, still loading, are kept)."""

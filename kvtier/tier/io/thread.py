@@ -221,6 +221,7 @@ class TierIO:
             deadline = self._deadlines.pop(job.id, None)
         try:
             ok, reasons, nbytes = (self._renew(job) if job.renew else
+                                   self._erase(job) if job.erase else
                                    self._write(job) if job.src is Medium.HOST
                                    else self._fetch(job, deadline))
         except Exception as e:  # never let one job take the thread down
@@ -315,6 +316,22 @@ class TierIO:
         reasons = [Reason.OK if e is None else self._failure(job.dst, e) for e in errors]
         return [r is Reason.OK for r in reasons], reasons, 0
 
+    def _erase(self, job: Job) -> tuple[list[bool], list[Reason], int]:
+        """A purge: each key's copy erased where it lives (absent ones are no-ops), then made
+        durable; a store that fails leaves that key's bytes, said in its reason."""
+        store = self.stores[job.dst]
+        reasons = [Reason.OK] * len(job.keys)
+        for i, (key, slot) in enumerate(zip(job.keys, job.below_slots)):
+            try:
+                store.discard(key, slot)
+            except (OSError, StoreMiss) as e:
+                reasons[i] = self._failure(job.dst, e)
+        try:
+            store.flush()
+        except OSError as e:
+            reasons = [self._failure(job.dst, e)] * len(job.keys)
+        return [r is Reason.OK for r in reasons], reasons, 0
+
     # -- fetches ------------------------------------------------------------------------
 
     def _fetch(self, job: Job, deadline: float | None = None
@@ -366,7 +383,7 @@ class TierIO:
         # If even a discard fails, the block stays and is checked (and refused) again: the
         # disk index drops the slot anyway, a restart re-verifies it.
         for store, key, slot in bad:
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, StoreMiss):
                 store.discard(key, slot)
         return ok, reasons, nbytes
 

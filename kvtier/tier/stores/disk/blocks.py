@@ -56,7 +56,7 @@ class DiskBlocks:
         return header, out
 
     def discard(self, key: BlockKey, slot: int) -> None:
-        self.store.invalidate(slot)
+        self.store.erase(slot)  # the bytes, not only the header: a purge is provable
 
     def flush(self) -> None:
         self.store.flush()

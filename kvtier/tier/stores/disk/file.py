@@ -209,6 +209,14 @@ class DiskStore:
         """Zero the slot's header magic: neither `read` nor a later `scan` finds it."""
         _pwrite_all(self._fd, _EMPTY, self._offset(slot))
 
+    def erase(self, slot: int) -> None:
+        """Overwrite the whole slot, header and payload, with zeros: its bytes are gone from
+        the file, not only unindexed (a purge; a block that failed verification)."""
+        offset = self._offset(slot)
+        zeros = bytes(min(self.slot_nbytes, 8 << 20))
+        for at in range(0, self.slot_nbytes, len(zeros)):
+            _pwrite_all(self._fd, zeros[:self.slot_nbytes - at], offset + at)
+
     def scan(self, unusable: Counter[str] | None = None) -> list[tuple[int, BlockHeader]]:
         """(slot, header) of every slot whose header decodes, in slot order; the rest are
         skipped, and counted by CorruptBlock reason into `unusable` (empty slots are not)."""

@@ -3,7 +3,6 @@ bounded round trips, every block signed with the deployment's MAC where it has a
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -83,9 +82,12 @@ class RedisBlocks:
         return _RemoteReads(blobs, errors, error)
 
     def discard(self, key: BlockKey, slot: int) -> None:
-        # If Redis is down, the block stays wrong there and is checked (and refused) again.
-        with contextlib.suppress(RemoteUnavailable):
+        """Delete the key; a Redis that does not answer is a StoreMiss (UNAVAILABLE): a
+        purge says so, a bad block stays there and is checked (and refused) again."""
+        try:
             self.store.delete_many([key])
+        except RemoteUnavailable as e:
+            raise StoreMiss(Reason.UNAVAILABLE, str(e)) from None
 
     def flush(self) -> None:
         """Nothing to sync: Redis owns its durability."""
