@@ -12,6 +12,9 @@ CONFIG_JSON: {"connector": {...extra config} | null, "blocks": 48, "policy": "re
               prompt j came back; the result of i says "late": true if that had passed),
               "kv_params": [{...} | null, ...] (a kv_transfer_params per prompt, as vLLM's
               OpenAI server passes a request body's: SamplingParams.extra_args),
+              "kv_hints": [{"protocol_version", "message_id", "actions": [{"action_id",
+              "action_type", "action_version", "payload"}]} | null, ...] (vLLM's typed KV
+              hints per prompt, `Request.kv_hints`: added through the engine, not generate),
               "kv_bytes_per_block": N (per worker rank), "metrics": true,
               "tensor_parallel_size": 1,
               "hybrid": false (true: vLLM decides on its hybrid KV allocator),
@@ -112,6 +115,26 @@ def settle(llm: Any, limit_s: float = 60.0, otherwise_s: float = 1.5) -> None:
     while core.scheduler.has_requests() and time.monotonic() < deadline:
         llm.llm_engine.step()
         time.sleep(0.005)
+
+
+def with_kv_hints(llm: Any, request_id: str, prompt: Any, params: Any,
+                  envelope: dict[str, Any], lora: Any) -> Any:
+    """One request with vLLM's typed KV hints (`LLM.generate` has no way to pass them: the
+    engine's `add_request` does), stepped until it finishes; its RequestOutput."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    hints = KvHintsEnvelope(protocol_version=envelope["protocol_version"],
+                            message_id=envelope["message_id"],
+                            actions=[KvHintAction(**a) for a in envelope["actions"]])
+    engine = llm.llm_engine
+    engine.add_request(request_id, prompt, params, lora_request=lora, kv_hints=hints)
+    done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                done = out
+    assert done is not None, "the hinted request never finished"
+    return done
 
 
 def abort_wake(llm: Any, request_id: str, ids: list[int], params: Any) -> dict[str, Any]:
@@ -242,8 +265,13 @@ def main() -> None:
         sampling = params if asks is None else params.clone()
         if asks is not None:
             sampling.extra_args = {"kv_transfer_params": asks}
+        envelopes = spec.get("kv_hints") or []
+        envelope = envelopes[n] if n < len(envelopes) else None
         try:
-            [r] = llm.generate([prompt], sampling, use_tqdm=False, lora_request=lora)
+            if envelope is not None:
+                r = with_kv_hints(llm, f"hinted-{n}", prompt, sampling, envelope, lora)
+            else:
+                [r] = llm.generate([prompt], sampling, use_tqdm=False, lora_request=lora)
         except Exception as e:  # a request the engine failed: report it, keep serving
             out.append({"error": f"{type(e).__name__}: {e}"[:500]})
             continue

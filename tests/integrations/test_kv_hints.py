@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -120,3 +121,86 @@ def test_a_session_back_while_its_staging_is_in_flight_asks_again_after_it_lands
     assert s.matched_tokens("b", [*PROMPT, 1], "t", 0, tenant="t") is None
     assert s.manager.returns.landed("expect-a") and not s.manager.returns.staging
     assert s.matched_tokens("b", [*PROMPT, 1], "t", 0, tenant="t") == 12
+
+
+# -- vLLM's typed KV hints: an envelope of versioned actions (vllm.v1.kv_hints) --------------
+
+
+def envelope(*actions: tuple[str, str, str, Any]) -> SimpleNamespace:
+    """What vLLM hands the connector as `Request.kv_hints` (msgspec structs, same fields)."""
+    return SimpleNamespace(protocol_version="1", message_id="m-1", actions=[
+        SimpleNamespace(action_id=i, action_type=t, action_version=v, payload=p)
+        for i, t, v, p in actions])
+
+
+def finish_with(s: SchedulerSide, rid: str, prompt: list[int], hints: Any,
+                asks: dict[str, Any] | None = None) -> dict[str, Any]:
+    assert s.matched_tokens(rid, prompt, "t", 0, tenant="t") == 0
+    s.allocated(rid, [[1, 2, 3, 4, 5, 6]], 0)
+    jobs = s.step([Scheduled(rid, [[1, 2, 3, 4, 5, 6]], len(prompt))])
+    answers = s.answer(rid, asks, hints)
+    s.finished(rid)
+    finish_jobs(s, jobs)
+    return answers
+
+
+LONG = list(range(10, 32))  # 22 tokens: five full blocks of 4, and two tokens
+
+
+def test_each_action_is_answered_accepted_clipped_deferred_or_rejected_with_its_reason(
+        ) -> None:
+    s = side(slots=16)
+    out = finish_with(s, "a", LONG, envelope(
+        ("keep", "kv.retain", "1", {"ttl_s": 600, "token_range": [0, 8]}),
+        ("mid", "kv.retain", "1", {"ttl_s": 60, "token_range": [0, 14]}),
+        ("all", "kv.retain", "1", {"ttl_s": 30}),
+        ("back", "kv.prefetch", "1", {"after_s": 5}),
+        ("pin", "kv.pin", "1", {}),
+        ("v2", "kv.retain", "2", {"ttl_s": 60}),
+        ("bad", "kv.retain", "1", {"ttl_s": "an hour"}),
+        ("tail", "kv.retain", "1", {"ttl_s": 60, "token_range": [4, 12]}),
+        ("tiny", "kv.retain", "1", {"ttl_s": 60, "token_range": [0, 3]}),
+        ("again", "kv.prefetch", "1", {"after_s": 9})))
+    answers = {a["action_id"]: a for a in out["kvtier_kv_hints"]["actions"]}
+    assert out["kvtier_kv_hints"]["message_id"] == "m-1"
+    assert answers["keep"] == {"action_id": "keep", "action_type": "kv.retain",
+                               "status": "accepted", "ttl_s": 600, "tokens": 8, "blocks": 2}
+    assert answers["mid"]["status"] == "clipped" and answers["mid"]["tokens"] == 12
+    assert "whole blocks of 4 tokens" in answers["mid"]["reason"]
+    assert answers["all"]["status"] == "clipped" and answers["all"]["tokens"] == 20
+    assert answers["back"] == {"action_id": "back", "action_type": "kv.prefetch",
+                               "status": "deferred", "after_s": 5}
+    rejected = {k: a["reason"] for k, a in answers.items() if a["status"] == "rejected"}
+    assert set(rejected) == {"pin", "v2", "bad", "tail", "tiny", "again"}
+    assert "unknown action type 'kv.pin'" in rejected["pin"]
+    assert "version '2'" in rejected["v2"] and "ttl_s" in rejected["bad"]
+    assert "prefix" in rejected["tail"] and "no whole block" in rejected["tiny"]
+    assert "asked already" in rejected["again"]
+    assert "kvtier_expect_return_s" not in out  # the action asked it: answered there
+    retained = s.manager.report().tenants["t"].retained["host"]
+    assert retained == 5  # the longest accepted range: five blocks
+    assert len(s.manager.returns) == 1
+
+
+def test_a_refused_retain_says_the_tiers_reason_and_the_request_is_served() -> None:
+    s = side(slots=16, max_s=100)
+    out = finish_with(s, "a", LONG, envelope(("long", "kv.retain", "1", {"ttl_s": 1e6}),
+                                            ("ok", "kv.retain", "1", {"ttl_s": 50})),
+                      {"kvtier_retention_s": 10})
+    answers = out["kvtier_kv_hints"]["actions"]
+    assert [a["status"] for a in answers] == ["rejected", "clipped"]
+    assert answers[0]["reason"] == "over_max"
+    assert out["kvtier_retention_s"] == 10  # the params' own ask, answered beside
+
+
+@pytest.mark.parametrize("hints", [None, SimpleNamespace(), "not an envelope",
+                                   SimpleNamespace(actions=None),
+                                   SimpleNamespace(actions=[object()])])
+def test_a_missing_or_malformed_envelope_never_fails_the_request(hints: Any) -> None:
+    s = side(slots=16)
+    out = finish_with(s, "a", LONG, hints)
+    if hints is None or not getattr(hints, "actions", None):
+        assert out == {}
+    else:
+        [answer] = out["kvtier_kv_hints"]["actions"]
+        assert answer["status"] == "rejected"

@@ -163,3 +163,36 @@ def test_a_restarted_vllm_keeps_the_retention_its_disk_was_written_with(
     assert victim["kv_transfer_params"]["kvtier_residency"] == "disk"
     assert victim["kv_transfer_params"]["kvtier_restored_tokens"] == victim["cached"] == FULL
     assert control["kv_transfer_params"]["kvtier_residency"] not in ("host", "disk")
+
+
+def hint(action_id: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"action_id": action_id, "action_type": kind, "action_version": "1",
+            "payload": payload}
+
+
+def test_vllms_typed_kv_hints_keep_a_range_on_host_through_a_flood(
+        vllm_python: Path, smollm2_hf: Path, reference: list[dict[str, Any]]) -> None:
+    """vLLM's own envelope (`Request.kv_hints`): `kv.retain` over tokens [0, 640] keeps those
+    five blocks on host while seven other prompts go through it; every action is answered,
+    a bad one rejected alone."""
+    envelope = {"protocol_version": "1", "message_id": "orchestrator-7", "actions": [
+        hint("sys", "kv.retain", {"ttl_s": 3600, "token_range": [0, 640]}),
+        hint("ragged", "kv.retain", {"ttl_s": 60, "token_range": [0, 700]}),
+        hint("back", "kv.prefetch", {"after_s": 600}),
+        hint("pin", "kv.pin", {}),
+        hint("broken", "kv.retain", {"ttl_s": -1})]}
+    run = parse(run_vllm(vllm_python, smollm2_hf, {
+        "prompts": [SYSTEM, *NOISY, SYSTEM], "kv_hints": [envelope], "blocks": POOL,
+        "metrics": True, "connector": {"kv_offloading_size": 0.25}}, env=ONE_PROCESS).stdout)
+    first, again = run["results"][0], run["results"][-1]
+    assert first["tokens"] == again["tokens"] == reference[0]["tokens"]
+    answered = first["kv_transfer_params"]["kvtier_kv_hints"]
+    assert answered["message_id"] == "orchestrator-7"
+    actions = {a["action_id"]: a for a in answered["actions"]}
+    assert actions["sys"]["status"] == "accepted" and actions["sys"]["blocks"] == 5
+    assert actions["ragged"]["status"] == "clipped" and actions["ragged"]["tokens"] == 640
+    assert actions["back"]["status"] == "deferred" and actions["back"]["after_s"] == 600
+    assert actions["pin"]["status"] == actions["broken"]["status"] == "rejected"
+    # the retained range came back from host after the flood; the rest was computed
+    assert again["kv_transfer_params"]["kvtier_residency"] == "host"
+    assert again["kv_transfer_params"]["kvtier_restored_tokens"] == again["cached"] == 640

@@ -7,6 +7,9 @@ params (vLLM's `kv_transfer_params`), answered in the params the request ends wi
   kvtier_expect_return_s: N    the session comes back after about N seconds: its prefix is
                                staged up into host shortly before (-> N, or "refused:...")
 
+vLLM's typed KV hints (`Request.kv_hints`, an envelope of versioned actions) are read by
+`hint_actions.py` and answered under `kvtier_kv_hints`, one answer per action.
+
 A value no client means (negative, zero, NaN, infinite, a bool, a string) is refused
 ("refused:invalid"; a retention's counted with the tenant's other refusals) and the request
 is served anyway. Staging happens in the engine's step
@@ -20,6 +23,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvtier.integrations.kit.hint_actions import (
+    ANSWER_KEY,
+    Planned,
+    answers,
+    plan,
+    with_actions,
+)
 from kvtier.tier import BlockKey, Hint, KvHints, TierManager, seconds
 
 log = logging.getLogger(__name__)
@@ -55,14 +65,33 @@ class HintAnswers:
         self._warned: set[Hint] = set()  # the asks a bad value was logged for (once each)
 
     def answer(self, request_id: str, asks: Mapping[str, Any] | None, tenant: str,
-               keys: Sequence[BlockKey], chunks: Sequence[Sequence[int]]) -> dict[str, Any]:
-        """The answers to a finished request's asks; `keys` (covering `chunks`) are its full
-        blocks, handed to the tier already (stored, or still storing)."""
+               keys: Sequence[BlockKey], chunks: Sequence[Sequence[int]],
+               envelope: Any = None, prompt_tokens: int = 0, groups: int = 1
+               ) -> dict[str, Any]:
+        """The answers to a finished request's asks and to the actions of its KV hints
+        envelope (`hint_actions.py`; `prompt_tokens` and `groups` read its ranges); `keys`
+        (covering `chunks`) are its full blocks, in token order, handed to the tier already
+        (stored, or still storing)."""
         hints = parse(asks, tenant)
+        own = len(hints.prefixes)
+        planned = plan(envelope, prompt_tokens, self.manager.block_size, groups)
+        hints, planned = with_actions(hints, planned)
         for hint in hints.invalid - self._warned:
             self._warned.add(hint)
             log.warning("kvtier: %s%s=%r in kv_transfer_params is not a finite number of "
                         "seconds > 0; answered %r (logged once)", PREFIX, hint.value,
                         asks[PREFIX + hint.value] if asks else None, INVALID)
         reply = self.manager.answer(request_id, hints, keys, chunks)
-        return {PREFIX + hint.value: value for hint, value in reply.answers().items()}
+        out: dict[str, Any] = {PREFIX + hint.value: value
+                               for hint, value in reply.answers().items()
+                               if not (hint is Hint.EXPECT_RETURN and _by_action(planned))}
+        if planned:
+            out[ANSWER_KEY] = {"message_id": str(getattr(envelope, "message_id", ""))[:128],
+                               "actions": answers(planned, reply, own)}
+        return out
+
+
+def _by_action(planned: Sequence[Planned]) -> bool:
+    """Whether the expected return was asked by an action (answered there, not as a
+    kv_transfer_params ask)."""
+    return any(p.after_s is not None and p.rejected is None for p in planned)

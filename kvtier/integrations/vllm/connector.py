@@ -229,12 +229,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """Full blocks are stored as they fill; a sliding-window group's window before the
         request's final boundary is stored in the next step, and vLLM holds those blocks
         until the worker says the copies are done (`get_finished`). The request's own asks
-        in its kv_transfer_params (retention, expect-return: `kv_hints.py`) are answered
-        in the params it ends with, with or without the residency details."""
+        in its kv_transfer_params (retention, expect-return: `kv_hints.py`) and the actions
+        of its `kv_hints` envelope (`hint_actions.py`) are answered in the params it ends
+        with, with or without the residency details."""
         assert self.scheduler is not None
         hold = self.scheduler.finish_windows(request.request_id, block_ids,
                                              request.num_computed_tokens)
-        answers = self.scheduler.answer(request.request_id, request.kv_transfer_params)
+        answers = self.scheduler.answer(request.request_id, request.kv_transfer_params,
+                                        getattr(request, "kv_hints", None))
         params = self.scheduler.finished(request.request_id)
         self._requests.pop(request.request_id, None)  # live until now: its blocks' origins
         self._blocks.pop(request.request_id, None)

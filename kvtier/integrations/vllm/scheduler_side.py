@@ -373,17 +373,21 @@ class SchedulerSide:
         counts.update(delta)
         return nest(counts)
 
-    def answer(self, request_id: str, asks: Mapping[str, Any] | None) -> dict[str, Any]:
-        """A finishing request's asks (`kv_hints.py`) over its full blocks: vLLM finishes it
-        in its last step's update, after `step` stored them (retention finds storing ones)."""
+    def answer(self, request_id: str, asks: Mapping[str, Any] | None,
+               envelope: Any = None) -> dict[str, Any]:
+        """A finishing request's asks (`kv_hints.py`) and its KV hints envelope's actions
+        over its full blocks: vLLM finishes it in its last step's update, after `step`
+        stored them (retention finds storing ones)."""
         st = self.requests.get(request_id)
         if st is None or st.stale:
-            return self.hints.answer(request_id, asks, st.tenant if st else "", [], [])
+            return self.hints.answer(request_id, asks, st.tenant if st else "", [], [],
+                                     envelope, st.prompt_len if st else 0)
         blocks = [(g, i) for g, keys in enumerate(st.group_keys)
                   for i in range(min(st.stored, len(keys))) if self._kept(st, g, i)]
         keys, chunks = [st.group_keys[g][i] for g, i in blocks], [self._chunk(st, i)
                                                                   for _, i in blocks]
-        return self.hints.answer(request_id, asks, st.tenant, keys, chunks)
+        return self.hints.answer(request_id, asks, st.tenant, keys, chunks, envelope,
+                                 st.prompt_len, max(1, len(st.group_keys)))
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what the tier did for it (vLLM's kv_transfer_params)."""
