@@ -272,6 +272,31 @@ def test_a_breakpoint_keeps_only_the_blocks_before_it_through_a_flood(
     assert tenants["victim"].retained["host"] == 2
 
 
+def test_a_breakpoint_asked_again_renews_its_lifetime_and_one_not_renewed_expires(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    """As both providers do, a hit that marks the same breakpoint renews its TTL: kept
+    through a flood past the first deadline; the same lifetime never renewed ends (a short
+    one standing in for Anthropic's 5m)."""
+    engine = engine_of(tiny, **tiers(tmp_path))
+    mark = (PrefixRetention(40, 2.0),)  # a flood takes ~0.2 s here: margins of 0.7 s
+    try:
+        ask(engine, SYSTEM, "victim", prefixes=mark)
+        time.sleep(1.4)
+        again = ask(engine, TURN, "victim", prefixes=mark)  # a hit, the same breakpoint
+        time.sleep(0.8)  # past the first deadline, within the renewed one
+        flood(engine)
+        kept = ask(engine, TURN, "victim")
+        time.sleep(1.2)  # past the renewed one too
+        flood(engine)
+        gone = ask(engine, TURN, "victim")
+    finally:
+        engine.close()
+    assert again.num_cached_tokens + again.num_restored_tokens >= 32
+    assert again.hint_reply.prefixes[0].value == 2.0
+    assert kept.residency == "host" and kept.num_restored_tokens == 32
+    assert gone.residency == "new" and gone.num_restored_tokens == 0
+
+
 def test_no_tier_refuses_every_hint_alike(tiny: LoadedModel) -> None:
     engine = engine_of(tiny, **BASE)  # no tier: every asked hint answered "disabled"
     try:
