@@ -204,3 +204,12 @@ def test_a_missing_or_malformed_envelope_never_fails_the_request(hints: Any) -> 
     else:
         [answer] = out["kvtier_kv_hints"]["actions"]
         assert answer["status"] == "rejected"
+
+
+def test_cache_breakpoints_in_the_params_keep_their_prefixes_each_answered() -> None:
+    s = side(slots=16)
+    out = finish_with(s, "a", LONG, None, {"kvtier_cache_breakpoints": [
+        [9, 600], [20, 60], [12, -1], "x", [True, 5]]})
+    assert out == {"kvtier_cache_breakpoints_s": [600.0, 60.0, "refused:invalid",
+                                                  "refused:invalid"]}  # four at most
+    assert s.manager.report().tenants["t"].retained["host"] == 5

@@ -177,7 +177,8 @@ class VllmServer:
 
     def __init__(self, model: Path, connector: dict[str, Any] | None, blocks: int,
                  log_path: Path, max_model_len: int = 2048, max_num_seqs: int = 4,
-                 peer: dict[str, Any] | None = None, python: Path = VLLM_PYTHON) -> None:
+                 peer: dict[str, Any] | None = None, python: Path = VLLM_PYTHON,
+                 extra_args: tuple[str, ...] = ()) -> None:
         import socket
 
         with socket.socket() as s:
@@ -203,6 +204,7 @@ class VllmServer:
                 "kv_connector_extra_config": with_residency(connector)})]
         elif peer is not None:
             self.args += ["--kv-transfer-config", json.dumps(peer)]
+        self.args += list(extra_args)  # e.g. --middleware
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmServer:

@@ -6,6 +6,9 @@ params (vLLM's `kv_transfer_params`), answered in the params the request ends wi
                                not_stored)
   kvtier_expect_return_s: N    the session comes back after about N seconds: its prefix is
                                staged up into host shortly before (-> N, or "refused:...")
+  kvtier_cache_breakpoints: [[T, N], ...]   cache breakpoints (at most 4): the prompt's first
+                               T tokens kept N seconds each (-> kvtier_cache_breakpoints_s:
+                               [N or "refused:<reason>", ...], in order)
 
 vLLM's typed KV hints (`Request.kv_hints`, an envelope of versioned actions) are read by
 `hint_actions.py` and answered under `kvtier_kv_hints`, one answer per action.
@@ -20,6 +23,7 @@ due hint at its next step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,11 +34,13 @@ from kvtier.integrations.kit.hint_actions import (
     plan,
     with_actions,
 )
-from kvtier.tier import BlockKey, Hint, KvHints, TierManager, seconds
+from kvtier.tier import BlockKey, Hint, KvHints, PrefixRetention, TierManager, seconds
 
 log = logging.getLogger(__name__)
 
 PREFIX = "kvtier_"  # each hint's key: kvtier_retention_s, kvtier_expect_return_s
+BREAKPOINTS = "kvtier_cache_breakpoints"  # [[tokens, seconds], ...] -> ..._s: each answer
+MAX_BREAKPOINTS = 4  # as OpenAI and Anthropic allow a request
 INVALID = "refused:invalid"
 
 
@@ -53,7 +59,24 @@ def parse(asks: Mapping[str, Any] | None, tenant: str) -> KvHints:
             else:
                 values[hint.value] = value
     return KvHints(tenant, values.get(Hint.RETENTION.value),
-                   values.get(Hint.EXPECT_RETURN.value), frozenset(invalid))
+                   values.get(Hint.EXPECT_RETURN.value), frozenset(invalid),
+                   breakpoints(asks.get(BREAKPOINTS)))
+
+
+def breakpoints(marks: Any) -> tuple[PrefixRetention, ...]:
+    """`kvtier_cache_breakpoints`: [[tokens, seconds], ...] (a prompt's first `tokens` kept
+    that long: what the middleware makes of a client's cache breakpoints); an entry no client
+    means is kept as one the tier refuses (`invalid`), so every entry gets its answer."""
+    if not isinstance(marks, list):
+        return ()
+    out = []
+    for mark in marks[:MAX_BREAKPOINTS]:
+        ok = (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], int)
+              and not isinstance(mark[0], bool) and mark[0] >= 0)
+        held = seconds(mark[1]) if ok else None
+        out.append(PrefixRetention(mark[0], held) if ok and held is not None
+                   else PrefixRetention(0, math.nan))
+    return tuple(out)
 
 
 class HintAnswers:
@@ -85,6 +108,8 @@ class HintAnswers:
         out: dict[str, Any] = {PREFIX + hint.value: value
                                for hint, value in reply.answers().items()
                                if not (hint is Hint.EXPECT_RETURN and _by_action(planned))}
+        if own:
+            out[BREAKPOINTS + "_s"] = [g.value for g in reply.prefixes[:own]]
         if planned:
             out[ANSWER_KEY] = {"message_id": str(getattr(envelope, "message_id", ""))[:128],
                                "actions": answers(planned, reply, own)}

@@ -1,0 +1,84 @@
+"""OpenAI's prompt caching fields against `vllm serve` + kvtier's middleware, sent by the
+official `openai` SDK unchanged: `prompt_cache_options` and `prompt_cache_breakpoint` become
+the connector's retentions, answered in the response's `kv_transfer_params`; the retained
+blocks outlive a flood on host; what OpenAI refuses is a 400 in its shape (issue 45)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from vllm_run import VllmServer
+
+pytestmark = pytest.mark.vllm
+MIDDLEWARE = ("--middleware", "kvtier.integrations.vllm.middleware.KvtierCacheFields")
+RULES = "You are a careful assistant. Answer in one short sentence. " * 40  # ~480 tokens
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_hf: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[VllmServer]:
+    tmp = tmp_path_factory.mktemp("cache-fields")
+    s = VllmServer(smollm2_hf, {"kv_offloading_size": 0.25}, 24, tmp / "vllm.log",
+                   extra_args=MIDDLEWARE).start()
+    yield s
+    s.close()
+
+
+def chat(server: VllmServer, system: Any, user: str = "Hello.", **extra: Any) -> Any:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(
+        model="default", max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **extra)
+
+
+def test_cache_options_and_a_breakpoint_become_the_connectors_retentions(
+        server: VllmServer) -> None:
+    plain = chat(server, RULES)
+    implicit = chat(server, RULES, extra_body={"prompt_cache_options": {"ttl": "12h"}})
+    assert implicit.choices[0].message.content == plain.choices[0].message.content
+    assert implicit.model_extra["kv_transfer_params"]["kvtier_retention_s"] == 43200
+    part = [{"type": "text", "text": RULES,
+             "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "30m"}}]
+    marked = chat(server, part, "Another question.",
+                  extra_body={"prompt_cache_options": {"mode": "explicit"}})
+    params = marked.model_extra["kv_transfer_params"]
+    assert params["kvtier_cache_breakpoints_s"] == [1800]
+    assert "kvtier_retention_s" not in params  # explicit: no implicit breakpoint
+    granted = server.metrics()
+    assert sum(v for k, v in granted.items()
+               if k.startswith("vllm:kvtier_retention_granted_total")) == 2
+    flood = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    for seed in range(7):  # 56 blocks through vLLM's 24 and kvtier's 45 on host
+        rng = random.Random(seed)
+        flood.completions.create(model="default", max_tokens=1, temperature=0,
+                                 prompt=[rng.randrange(100, 49000) for _ in range(1024)])
+    back = chat(server, part, "A third question.")
+    params = back.model_extra["kv_transfer_params"]
+    assert params["kvtier_residency"] == "host"  # the retained rules, through the flood
+    assert params["kvtier_restored_tokens"] >= 3 * 128
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"prompt_cache_options": {"ttl": "1h"}}, "prompt_cache_options.ttl"),
+    ({"prompt_cache_options": {"ttl": "30m"}, "prompt_cache_retention": "24h"},
+     "cannot be sent with prompt_cache_options.ttl"),
+])
+def test_what_openai_refuses_is_a_400_in_its_shape(server: VllmServer, extra: dict[str, Any],
+                                                   says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, RULES, extra_body=extra)
+    assert says in str(e.value)
+
+
+def test_more_than_four_breakpoints_are_refused(server: VllmServer) -> None:
+    five = [{"type": "text", "text": f"Rule {i}. ",
+             "prompt_cache_breakpoint": {"mode": "explicit"}} for i in range(5)]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, five)
+    assert "at most 4" in str(e.value)
