@@ -23,6 +23,19 @@ UNSUPPORTED: dict[str, Any] = {"tools": [], "tool_choice": None, "thinking": Non
                                "container": None, "mcp_servers": []}
 
 
+def check_controls(controls: list[CacheControl]) -> None:
+    """Anthropic's rules for a request's cache_control blocks, in prompt order (the
+    top-level one included): at most four, and no longer lifetime after a shorter one;
+    RequestError otherwise."""
+    if len(controls) > MAX_CACHE_CONTROLS:
+        raise RequestError(f"a maximum of {MAX_CACHE_CONTROLS} blocks with cache_control may "
+                           f"be provided (the top-level one included); found {len(controls)}")
+    for before, after in pairwise(controls):
+        if CACHE_TTL_S[after.ttl] > CACHE_TTL_S[before.ttl]:
+            raise RequestError("a cache_control with ttl='1h' cannot come after one with "
+                               "ttl='5m': longer lifetimes must come first")
+
+
 class CacheControl(BaseModel):
     """`{"type": "ephemeral", "ttl": "5m" | "1h"}`: the prompt up to the end of its block is
     kept at least `ttl` (5 minutes unless said)."""
@@ -99,15 +112,7 @@ class MessagesRequest(BaseModel):
                 raise RequestError("cache_control: the last block is empty and cannot be "
                                    "cached")
             out[-1] = (role, text, self.cache_control)
-        marks = [c for _, _, c in out if c is not None]
-        if len(marks) > MAX_CACHE_CONTROLS:
-            raise RequestError(f"a maximum of {MAX_CACHE_CONTROLS} blocks with cache_control "
-                               f"may be provided (the top-level one included); found "
-                               f"{len(marks)}")
-        for before, after in pairwise(marks):
-            if CACHE_TTL_S[after.ttl] > CACHE_TTL_S[before.ttl]:
-                raise RequestError("a cache_control with ttl='1h' cannot come after one with "
-                                   "ttl='5m': longer lifetimes must come first")
+        check_controls([c for _, _, c in out if c is not None])
         return out
 
     def turns(self) -> list[dict[str, str]]:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from vllm_run import VllmServer
@@ -82,3 +83,38 @@ def test_more_than_four_breakpoints_are_refused(server: VllmServer) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, five)
     assert "at most 4" in str(e.value)
+
+
+def claude(server: VllmServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_anthropics_cache_control_on_vllms_messages_route(server: VllmServer) -> None:
+    system = [{"type": "text", "text": RULES, "cache_control": {"type": "ephemeral",
+                                                                 "ttl": "1h"}}]
+    out = claude(server).messages.create(model="default", max_tokens=4, system=system,
+                                         messages=[{"role": "user", "content": "Hello."}])
+    assert out.content[0].type == "text"
+    assert out.model_extra["kv_transfer_params"]["kvtier_cache_breakpoints_s"] == [3600]
+    auto = claude(server).messages.create(
+        model="default", max_tokens=4, system=RULES, cache_control={"type": "ephemeral"},
+        messages=[{"role": "user", "content": "A question that ends the prompt."}])
+    assert auto.model_extra["kv_transfer_params"]["kvtier_cache_breakpoints_s"] == [300]
+
+
+@pytest.mark.parametrize("system, says", [
+    ([{"type": "text", "text": f"Rule {i}. ", "cache_control": {"type": "ephemeral"}}
+      for i in range(5)], "a maximum of 4 blocks"),
+    ([{"type": "text", "text": "Short. ", "cache_control": {"type": "ephemeral"}},
+      {"type": "text", "text": "Long.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+     "cannot come after"),
+    ([{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}],
+     "system.0.cache_control.ttl"),
+])
+def test_what_anthropic_refuses_is_a_400_in_its_shape(server: VllmServer, system: Any,
+                                                      says: str) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(server).messages.create(model="default", max_tokens=4, system=system,
+                                       messages=[{"role": "user", "content": "Hello."}])
+    assert says in str(e.value)
+    assert e.value.body["error"]["type"] == "invalid_request_error"

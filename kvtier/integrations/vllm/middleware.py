@@ -1,10 +1,13 @@
-"""OpenAI's prompt caching fields for `vllm serve`, as kvtier's connector takes them:
+"""OpenAI's and Anthropic's prompt caching fields for `vllm serve`, as kvtier's connector
+takes them:
 
     vllm serve ... --middleware kvtier.integrations.vllm.middleware.KvtierCacheFields
 
-An ASGI middleware on Chat Completions and Completions: `prompt_cache_options` (implicit
-mode: the whole prompt kept `ttl`), the deprecated `prompt_cache_retention: "24h"`, and
-`prompt_cache_breakpoint` on chat content parts become the connector's asks in the request's
+An ASGI middleware on Chat Completions and Completions (`prompt_cache_options`, implicit
+mode: the whole prompt kept `ttl`; the deprecated `prompt_cache_retention: "24h"`;
+`prompt_cache_breakpoint` on chat content parts) and on Messages (`cache_control` on a
+system or message block, or at the top level: the last block, 5m | 1h): they become the
+connector's asks in the request's
 `kv_transfer_params` (`kvtier_retention_s`, `kvtier_cache_breakpoints`: [[tokens, seconds]]),
 answered in the response's `kv_transfer_params`. A breakpoint's tokens are counted by vLLM's
 own `/tokenize` on the messages cut after its part, so they are the tokens vLLM's template
@@ -20,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvtier.errors import RequestError
 from kvtier.server.protocol import (
     DAY_S,
     DEFAULT_TTL,
@@ -28,6 +32,7 @@ from kvtier.server.protocol import (
     PromptCacheBreakpoint,
     PromptCacheOptions,
 )
+from kvtier.server.protocol_messages import CACHE_TTL_S, CacheControl, check_controls
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,6 +41,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
+MESSAGES = "/v1/messages"  # Anthropic's, which vLLM serves too
 FIELDS = ("prompt_cache_options", "prompt_cache_retention")
 MAX_BODY = 64 << 20  # larger bodies go on untouched (vLLM bounds them itself)
 
@@ -51,19 +57,23 @@ class KvtierCacheFields:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path")
         if scope.get("type") != "http" or scope.get("method") != "POST" or \
-                scope.get("path") not in PATHS:
+                path not in (*PATHS, MESSAGES):
             await self.app(scope, receive, send)
             return
+        anthropic = path == MESSAGES
         body, more = await _read(receive)
         data = _json(body) if not more else None
-        if not isinstance(data, dict) or not _asks_cache(data):
+        if not isinstance(data, dict) or not (_asks_cache_control(data) if anthropic
+                                              else _asks_cache(data)):
             await self.app(scope, _replay(body, receive, more), send)
             return
         try:
-            asks = await self._asks(scope, data)
+            asks = await (self._cache_control(scope, data) if anthropic
+                          else self._asks(scope, data))
         except CacheFieldError as e:
-            await _error(send, str(e))
+            await _error(send, str(e), anthropic)
             return
         _strip(data)
         params = data.get("kv_transfer_params")
@@ -109,11 +119,24 @@ class KvtierCacheFields:
             head = await self._tokenize(scope, {"model": data.get("model"), "messages": cut,
                                                 "add_generation_prompt": False,
                                                 "continue_final_message": True})
-            n = 0
-            while n < min(len(head), len(whole)) and head[n] == whole[n]:
-                n += 1
-            out.append([n, TTL_S[mark.ttl] if mark.ttl else ttl])
+            out.append([_common(head, whole), TTL_S[mark.ttl] if mark.ttl else ttl])
         return out
+
+    async def _cache_control(self, scope: Scope, data: dict[str, Any]) -> dict[str, Any]:
+        """Anthropic's `cache_control` blocks (and the top-level one: the last block) as the
+        connector's breakpoints, each block's tokens as vLLM renders its Messages request."""
+        marks = _controls(data)
+        model = data.get("model")
+        whole = await self._tokenize(scope, {"model": model, "messages": _as_chat(data),
+                                             "add_generation_prompt": True})
+        out = []
+        for where, control in marks:
+            head = await self._tokenize(scope, {"model": model,
+                                                "messages": _as_chat(data, where),
+                                                "add_generation_prompt": False,
+                                                "continue_final_message": True})
+            out.append([_common(head, whole), CACHE_TTL_S[control.ttl]])
+        return {"kvtier_cache_breakpoints": out}
 
     async def _tokenize(self, scope: Scope, body: dict[str, Any]) -> list[int]:
         """vLLM's own POST /tokenize, called in process (the caller's headers kept: its
@@ -143,6 +166,93 @@ class KvtierCacheFields:
             raise CacheFieldError(f"the messages could not be tokenized to place their cache "
                                   f"breakpoints ({message or f'status {status}'})")
         return [int(t) for t in answer["tokens"]]
+
+
+def _common(head: list[int], whole: list[int]) -> int:
+    """How many leading tokens `head` shares with `whole`."""
+    n = 0
+    while n < min(len(head), len(whole)) and head[n] == whole[n]:
+        n += 1
+    return n
+
+
+# -- Anthropic's Messages: where each cache_control block ends ------------------------------
+
+Where = tuple[int, int]  # (-1, block): the system's; (message, block)
+
+
+def _asks_cache_control(data: dict[str, Any]) -> bool:
+    blocks = [*_blocks(data.get("system"))] + [
+        b for m in data.get("messages") or [] if isinstance(m, dict)
+        for b in _blocks(m.get("content"))]
+    return data.get("cache_control") is not None or any("cache_control" in b for b in blocks)
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+
+
+def _controls(data: dict[str, Any]) -> list[tuple[Where, CacheControl]]:
+    """(where, cache_control) of each marked block in prompt order, the top-level one on the
+    last block; CacheFieldError for what Anthropic refuses."""
+    found: list[tuple[Where, Any]] = []
+    for j, b in enumerate(_blocks(data.get("system"))):
+        if b.get("cache_control") is not None:
+            found.append(((-1, j), b["cache_control"]))
+    messages = data.get("messages") if isinstance(data.get("messages"), list) else []
+    for i, m in enumerate(messages):
+        for j, b in enumerate(_blocks(m.get("content") if isinstance(m, dict) else None)):
+            if b.get("cache_control") is not None:
+                found.append(((i, j), b["cache_control"]))
+    if data.get("cache_control") is not None and messages:
+        last = len(messages) - 1
+        content = messages[last].get("content") if isinstance(messages[last], dict) else None
+        where = (last, len(content) - 1) if isinstance(content, list) and content \
+            else (last, -1)  # a string: the whole message
+        if all(w != where for w, _ in found):
+            found.append((where, data["cache_control"]))
+    out = []
+    for where, raw in found:
+        try:
+            out.append((where, CacheControl.model_validate(raw)))
+        except ValidationError as e:
+            first = e.errors()[0]
+            at = "system" if where[0] < 0 else f"messages.{where[0]}.content"
+            field = ".".join(str(p) for p in first["loc"])
+            raise CacheFieldError(f"{at}.{where[1]}.cache_control"
+                                  f"{'.' + field if field else ''}: {first['msg']}") from None
+    try:
+        check_controls([control for _, control in out])
+    except RequestError as e:
+        raise CacheFieldError(str(e)) from None
+    return out
+
+
+def _as_chat(data: dict[str, Any], cut: Where | None = None) -> list[dict[str, Any]]:
+    """The Messages request's system and messages as vLLM's Anthropic endpoint hands them
+    to its chat template (the system's text blocks joined into one string, a message of one
+    text block as a string), up to the end of block `cut` (None: all of it)."""
+    system = data.get("system")
+    texts = [system] if isinstance(system, str) else [b.get("text") or "" for b in
+                                                      _blocks(system) if b.get("type") == "text"]
+    if cut is not None and cut[0] < 0:
+        return [{"role": "system", "content": "".join(texts[:cut[1] + 1])}]
+    out: list[dict[str, Any]] = [{"role": "system", "content": "".join(texts)}] if \
+        "".join(texts) else []
+    messages = data.get("messages") if isinstance(data.get("messages"), list) else []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [{"type": "text", "text": b.get("text") or ""} for b in _blocks(content)]
+            if cut is not None and i == cut[0] and cut[1] >= 0:
+                parts = parts[:cut[1] + 1]
+            content = parts[0]["text"] if len(parts) == 1 else parts
+        out.append({"role": m.get("role"), "content": content})
+        if cut is not None and i == cut[0]:
+            break
+    return out
 
 
 def _asks_cache(data: dict[str, Any]) -> bool:
@@ -202,10 +312,15 @@ def _stripped(messages: list[Any]) -> list[Any]:
 
 
 def _strip(data: dict[str, Any]) -> None:
-    for f in FIELDS:
+    """The caching fields and marks vLLM does not know, out of the body."""
+    for f in (*FIELDS, "cache_control"):
         data.pop(f, None)
     if isinstance(data.get("messages"), list):
         data["messages"] = _stripped(data["messages"])
+    for holder in [data.get("system"), *[m.get("content") for m in data.get("messages") or []
+                                          if isinstance(m, dict)]]:
+        for b in _blocks(holder):
+            b.pop("cache_control", None)
 
 
 def _json(raw: bytes) -> Any:
@@ -250,10 +365,11 @@ async def _never() -> Message:
     return {"type": "http.disconnect"}  # never reached: cancelled with its call
 
 
-async def _error(send: Send, message: str) -> None:
-    """A 400 in OpenAI's error shape."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": None}}).encode()
+async def _error(send: Send, message: str, anthropic: bool = False) -> None:
+    """A 400 in the API's own error shape (OpenAI's, or Anthropic's on /v1/messages)."""
+    error = {"message": message, "type": "invalid_request_error"}
+    body = json.dumps({"type": "error", "error": error} if anthropic else
+                      {"error": {**error, "param": None, "code": None}}).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
