@@ -6,6 +6,7 @@ silently ignored (an unknown one is ignored, as vLLM does)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +34,20 @@ UNSUPPORTED: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "structured_outputs": None, "min_p": 0, "use_beam_search": False,
 }
+
+
+def refuse_unsupported(extra: Mapping[str, Any] | None, unsupported: Mapping[str, Any],
+                       advice: str | None = None) -> None:
+    """RequestError naming every parameter of `unsupported` a request sent with a value
+    other than the one that means "off" (`advice`: what to do instead; by default, remove
+    them)."""
+    sent = extra or {}
+    refused = sorted(k for k, off in unsupported.items()
+                     if k in sent and sent[k] not in (None, off))
+    if refused:
+        them = "it" if len(refused) == 1 else "them"
+        raise RequestError(f"{', '.join(refused)}: not supported by kvtier; "
+                           f"{advice or f'remove {them} from the request'}")
 
 
 class PromptCacheOptions(BaseModel):
@@ -129,12 +144,7 @@ class GenerationRequest(BaseModel):
         """SamplingParams, or a RequestError naming the bad field."""
         if self.n != 1:
             raise RequestError(f"n={self.n} is not supported; kvtier returns one choice (n=1)")
-        extra = self.model_extra or {}
-        refused = sorted(k for k, off in UNSUPPORTED.items()
-                         if k in extra and extra[k] not in (None, off))
-        if refused:
-            raise RequestError(f"{', '.join(refused)}: not supported by kvtier; remove "
-                               f"{'it' if len(refused) == 1 else 'them'} from the request")
+        refuse_unsupported(self.model_extra, UNSUPPORTED)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = self.top_logprobs_k()
         if k is not None and self.stream:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.errors import RequestError
 from kvtier.sequence import SamplingParams
+from kvtier.server.protocol import refuse_unsupported
 from kvtier.tier import KvHints, PrefixRetention
 
 # Anthropic's cache lifetimes: each is a retention of that long in every tier holding the
@@ -138,12 +139,7 @@ class MessagesRequest(BaseModel):
 
     def sampling(self) -> SamplingParams:
         """SamplingParams, or a RequestError naming the bad field."""
-        extra = self.model_extra or {}
-        refused = sorted(k for k, off in UNSUPPORTED.items()
-                         if k in extra and extra[k] not in (None, off))
-        if refused:
-            raise RequestError(f"{', '.join(refused)}: not supported by kvtier; remove "
-                               f"{'it' if len(refused) == 1 else 'them'} from the request")
+        refuse_unsupported(self.model_extra, UNSUPPORTED)
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k,
                               stop=list(self.stop_sequences or []))

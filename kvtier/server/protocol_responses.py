@@ -18,6 +18,7 @@ from kvtier.server.protocol import (
     PromptCacheOptions,
     message_breakpoints,
     message_pieces,
+    refuse_unsupported,
 )
 
 TEXT_PARTS = ("input_text", "output_text")  # what a message's content parts may be
@@ -96,11 +97,7 @@ class ResponsesRequest(GenerationRequest):
 
     def checked(self) -> None:
         """RequestError for what kvtier refuses by name."""
-        extra = self.model_extra or {}
-        refused = sorted(k for k, off in UNSUPPORTED.items()
-                         if k in extra and extra[k] not in (None, off))
-        if refused:
-            raise RequestError(f"{', '.join(refused)}: not supported by kvtier (it keeps no "
-                               "responses); send the whole conversation as input")
+        refuse_unsupported(self.model_extra, UNSUPPORTED, "it keeps no responses: send the "
+                           "whole conversation as input")
         for m in self.messages():
             m.text()
