@@ -55,7 +55,7 @@ def cache_usage(out: RequestOutput, marks: Sequence[tuple[int, str]], block_size
     before each breakpoint (`marks`: its tokens and lifetime label, in prompt order; the
     whole prompt for an implicit one). The cache keeps whole blocks: a breakpoint inside a
     block keeps the blocks before it."""
-    read = out.num_cached_tokens + out.num_restored_tokens
+    read = out.num_read_tokens
     published_end = read + out.num_cache_write_tokens
     by_ttl: dict[str, int] = {}
     start = read

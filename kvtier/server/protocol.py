@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.errors import RequestError
 from kvtier.sequence import MAX_LOGPROBS, SamplingParams
-from kvtier.tier import KvHints, PrefixRetention
+from kvtier.tier import MAX_PREFIXES, KvHints, PrefixRetention
 
 MAX_TOKENS_DEFAULT = 256
 DAY_S = 86400.0  # OpenAI's "24h" prompt_cache_retention
@@ -21,7 +21,6 @@ DAY_S = 86400.0  # OpenAI's "24h" prompt_cache_retention
 # retention of that long in every tier that holds the blocks
 TTL_S = {"30m": 1800.0, "12h": 43200.0}
 DEFAULT_TTL = "30m"
-MAX_BREAKPOINTS = 4  # written per request, as OpenAI allows
 MAX_CACHE_SALT_CHARS = 256
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 # Parameters of OpenAI's or vLLM's API that kvtier does not implement, with the value that
@@ -126,7 +125,7 @@ class GenerationRequest(BaseModel):
 
     def breakpoints(self) -> list[PromptCacheBreakpoint]:
         """The request's cache breakpoints in prompt order (a chat's content parts carry
-        them); RequestError past MAX_BREAKPOINTS."""
+        them); RequestError past MAX_PREFIXES."""
         return []
 
     def cache_marks(self, breakpoint_tokens: list[int] | None, prompt_tokens: int
@@ -225,13 +224,18 @@ class ChatCompletionRequest(GenerationRequest):
 
 def message_breakpoints(messages: list[ChatMessage]) -> list[PromptCacheBreakpoint]:
     """The cache breakpoints the messages' content parts carry, in prompt order;
-    RequestError past MAX_BREAKPOINTS."""
+    RequestError past MAX_PREFIXES."""
     marks = [p.prompt_cache_breakpoint for m in messages if isinstance(m.content, list)
              for p in m.content if p.prompt_cache_breakpoint is not None]
-    if len(marks) > MAX_BREAKPOINTS:
-        raise RequestError(f"{len(marks)} content parts carry prompt_cache_breakpoint; a "
-                           f"request writes at most {MAX_BREAKPOINTS}")
+    check_breakpoints(len(marks))
     return marks
+
+
+def check_breakpoints(count: int) -> None:
+    """RequestError for more breakpoints than a request writes (MAX_PREFIXES)."""
+    if count > MAX_PREFIXES:
+        raise RequestError(f"{count} content parts carry prompt_cache_breakpoint; a "
+                           f"request writes at most {MAX_PREFIXES}")
 
 
 def message_pieces(messages: list[ChatMessage]) -> list[tuple[str, bool]]:

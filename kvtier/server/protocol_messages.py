@@ -13,12 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtier.errors import RequestError
 from kvtier.sequence import SamplingParams
 from kvtier.server.protocol import refuse_unsupported
-from kvtier.tier import KvHints, PrefixRetention
+from kvtier.tier import MAX_PREFIXES, KvHints, PrefixRetention
 
 # Anthropic's cache lifetimes: each is a retention of that long in every tier holding the
 # blocks; a hit renews it
 CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}
-MAX_CACHE_CONTROLS = 4  # blocks with cache_control per request, the automatic one included
 # what Anthropic's API has that kvtier does not implement, with the value that means "off"
 UNSUPPORTED: dict[str, Any] = {"tools": [], "tool_choice": None, "thinking": None,
                                "container": None, "mcp_servers": []}
@@ -28,8 +27,8 @@ def check_controls(controls: list[CacheControl]) -> None:
     """Anthropic's rules for a request's cache_control blocks, in prompt order (the
     top-level one included): at most four, and no longer lifetime after a shorter one;
     RequestError otherwise."""
-    if len(controls) > MAX_CACHE_CONTROLS:
-        raise RequestError(f"a maximum of {MAX_CACHE_CONTROLS} blocks with cache_control may "
+    if len(controls) > MAX_PREFIXES:  # the automatic one included
+        raise RequestError(f"a maximum of {MAX_PREFIXES} blocks with cache_control may "
                            f"be provided (the top-level one included); found {len(controls)}")
     for before, after in pairwise(controls):
         if CACHE_TTL_S[after.ttl] > CACHE_TTL_S[before.ttl]:

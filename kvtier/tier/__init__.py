@@ -70,7 +70,15 @@ from kvtier.tier.config import (
 )
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
-from kvtier.tier.hints import Hint, HintReply, KvHints, PrefixRetention, Purged, seconds
+from kvtier.tier.hints import (
+    MAX_PREFIXES,
+    Hint,
+    HintReply,
+    KvHints,
+    PrefixRetention,
+    Purged,
+    seconds,
+)
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Reason, Result, StoreDone
 from kvtier.tier.keys import (
     BlockKey,
@@ -117,6 +125,7 @@ __all__ = [
     "LOOKUP_TOKENS",
     "LOSSY_RESTORED_TOKENS",
     "MAX_EXPECT_RETURN_S",
+    "MAX_PREFIXES",
     "MAX_TENANT_CHARS",
     "NO_FAULTS",
     "NO_MATCH",

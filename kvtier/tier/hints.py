@@ -37,6 +37,10 @@ def seconds(value: object) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
+# breakpoints (prefix retentions) one request may ask for, as OpenAI and Anthropic allow
+MAX_PREFIXES = 4
+
+
 @dataclass(frozen=True)
 class PrefixRetention:
     """Keep the blocks of the prompt's first `tokens` tokens at least `seconds` (a cache

@@ -34,13 +34,20 @@ from kvtier.integrations.kit.hint_actions import (
     plan,
     with_actions,
 )
-from kvtier.tier import BlockKey, Hint, KvHints, PrefixRetention, TierManager, seconds
+from kvtier.tier import (
+    MAX_PREFIXES,
+    BlockKey,
+    Hint,
+    KvHints,
+    PrefixRetention,
+    TierManager,
+    seconds,
+)
 
 log = logging.getLogger(__name__)
 
 PREFIX = "kvtier_"  # each hint's key: kvtier_retention_s, kvtier_expect_return_s
 BREAKPOINTS = "kvtier_cache_breakpoints"  # [[tokens, seconds], ...] -> ..._s: each answer
-MAX_BREAKPOINTS = 4  # as OpenAI and Anthropic allow a request
 INVALID = "refused:invalid"
 
 
@@ -70,7 +77,7 @@ def breakpoints(marks: Any) -> tuple[PrefixRetention, ...]:
     if not isinstance(marks, list):
         return ()
     out = []
-    for mark in marks[:MAX_BREAKPOINTS]:
+    for mark in marks[:MAX_PREFIXES]:
         ok = (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], int)
               and not isinstance(mark[0], bool) and mark[0] >= 0)
         held = seconds(mark[1]) if ok else None

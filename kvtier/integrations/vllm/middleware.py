@@ -27,10 +27,10 @@ from kvtier.errors import RequestError
 from kvtier.server.protocol import (
     DAY_S,
     DEFAULT_TTL,
-    MAX_BREAKPOINTS,
     TTL_S,
     PromptCacheBreakpoint,
     PromptCacheOptions,
+    check_breakpoints,
 )
 from kvtier.server.protocol_messages import CACHE_TTL_S, CacheControl, check_controls
 
@@ -297,9 +297,10 @@ def _marks(messages: Any) -> list[tuple[int, int, PromptCacheBreakpoint]]:
                                           f"{'.' + where if where else ''}: {first['msg']}"
                                           ) from None
                 out.append((i, j, mark))
-    if len(out) > MAX_BREAKPOINTS:
-        raise CacheFieldError(f"{len(out)} content parts carry prompt_cache_breakpoint; a "
-                              f"request writes at most {MAX_BREAKPOINTS}")
+    try:
+        check_breakpoints(len(out))
+    except RequestError as e:
+        raise CacheFieldError(str(e)) from None
     return out
 
 
