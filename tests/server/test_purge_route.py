@@ -28,7 +28,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                              "--kv-offloading-size", str(24 * BLOCK_GIB),
                              "--disk-kv-path", str(directory / "kv"),
                              "--disk-kv-size", "0.0004", "--disk-kv-read-gbps", "2",
-                             "--idle-offload-s", "0.2", "--api-keys-file", str(keys))
+                             "--idle-offload-s", "0.2", "--api-keys-file", str(keys),
+                             "--load-policy", "always")  # the kept prompt is read back
     try:
         yield url
     finally:
