@@ -62,6 +62,7 @@ class RequestOutput:
     num_swapped_in_tokens: int = 0  # restored after preemptions (not counted above)
     num_recomputed_tokens: int = 0  # state that existed but was computed again
     num_cache_write_tokens: int = 0  # prompt tokens it computed into the prefix cache
+    exact_breakpoints: tuple[int, ...] = ()  # breakpoints kept to the token (a block's part)
     restore_bytes: int = 0
     lossy: bool = False  # restored from 8-bit blocks below host (kv_offload_dtype)
     error: str | None = None  # finish_reason "error": why serving this request failed
@@ -108,7 +109,8 @@ class RequestOutput:
             num_restored_tokens=seq.num_restored_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
             num_recomputed_tokens=seq.num_recomputed_tokens,
-            num_cache_write_tokens=seq.num_cache_write_tokens, restore_bytes=seq.restore_bytes,
+            num_cache_write_tokens=seq.num_cache_write_tokens,
+            exact_breakpoints=seq.exact_breakpoints, restore_bytes=seq.restore_bytes,
             lossy=seq.lossy, hint_reply=seq.hint_reply,
         )
 

@@ -198,6 +198,9 @@ class Sequence:
     # prompt tokens of full blocks it computed and published in the prefix cache (beyond
     # what it read): what usage reports as written to the cache
     num_cache_write_tokens: int = 0
+    # cache breakpoints inside a block whose part of that block went down to host: kept to
+    # the token, where the rest are kept to the last full block before them
+    exact_breakpoints: tuple[int, ...] = ()
     restore_bytes: int = 0
     restore_s: float = 0.0
     loading: int | None = None  # tier job id of the host->device load this sequence waits for

@@ -1,10 +1,11 @@
 """Where an admitted sequence's KV will come from: device prefix, the tier, or compute.
 
 `plan_admission` finds the device prefix, then asks the tier (`match`) to continue the
-chain in host memory and below, with the planner's verdict per sequence. Where the prefix
-goes on below host (disk, remote), the tier fetches it up to host first (the match says
-FETCHING); the request is planned again once the fetch lands. None: the tier's answer is
-pending (ask next step). Pure bookkeeping.
+chain in host memory and below, with the planner's verdict per sequence; where the chain
+stops, a cache breakpoint's part of the next block may end it exactly at the breakpoint.
+Where the prefix goes on below host (disk, remote), the tier fetches it up to host first
+(the match says FETCHING); the request is planned again once the fetch lands. None: the
+tier's answer is pending (ask next step). Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class AdmissionPlan:
 
     @property
     def content_keys(self) -> list[BlockKey]:
-        """Loaded keys that name full blocks (a swapped partial block is not shareable)."""
-        return [k for k in self.load_keys if not is_swap_key(k)]
+        """Loaded keys that name full blocks (a swapped partial block is not shareable, nor
+        a breakpoint's part of a block: the request writes the rest of it)."""
+        return [k for k in self.match.full_keys if not is_swap_key(k)]
 
     @property
     def residency(self) -> Residency:
@@ -58,12 +60,16 @@ def plan_admission(seq: Sequence, kv: KVCacheManager, namespace: BlockKey,
     prefix = kv.find_cached_prefix(namespace, seq.token_ids)
     d = len(prefix.block_ids)
     swapped = seq.swapped
+    parent: BlockKey | None = None  # a swapped sequence's own state has no breakpoint parts
+    tail: list[int] = []
     if swapped is not None:
         keys, tokens = swapped.keys[d:], swapped.tokens[d:]
     else:
         keys, tokens = prefix.keys[d:], prefix.chunks[d:]
+        parent = prefix.keys[d - 1] if d else namespace
+        tail = seq.token_ids[len(prefix.keys) * block_size : seq.num_tokens - 1]
     match = tier.match(seq.request_id, keys, tokens, preempted=swapped is not None,
-                       compute_ahead=compute_ahead)
+                       compute_ahead=compute_ahead, parent=parent, tail=tail)
     if match is None:
         return None
     done = swapped is not None

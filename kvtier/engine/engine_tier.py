@@ -4,7 +4,7 @@ method the engine starts calling cannot be missing from the null case."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kvtier.config import OffloadPolicy
@@ -41,8 +41,8 @@ class EngineTier(Protocol):
 
     # what the scheduler asks
     def match(self, request_id: str, keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0
-              ) -> Match | None: ...
+              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0,
+              parent: BlockKey | None = None, tail: Sequence[int] = ()) -> Match | None: ...
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
                  tokens: Sequence[Sequence[int]], tenant: str = "") -> Prefetch: ...
     def allocated(self, request_id: str, match: Match, blocks: Sequence[int],
@@ -58,7 +58,8 @@ class EngineTier(Protocol):
               tokens: Sequence[Sequence[int]], demote: bool = False,
               evict_first: bool = False, tenant: str = "", prefix: bool = False) -> bool: ...
     def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]]) -> HintReply: ...
+               tokens: Sequence[Sequence[int]], parts: Mapping[int, BlockKey] | None = None
+               ) -> HintReply: ...
     def stage_returns(self) -> None: ...
     def demote_idle(self, now: float) -> None: ...
     def demote_all(self, limit: int | None = None) -> int: ...

@@ -30,7 +30,7 @@ from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
 from kvtier.sequence import Phase, SamplingParams, Sequence
-from kvtier.tier import BlockKey, Fingerprint, KvHints, hash_blocks
+from kvtier.tier import BlockKey, Fingerprint, KvHints, hash_blocks, partial_keys
 
 PromptType = str | list[int] | dict[str, Any]
 NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
@@ -153,16 +153,21 @@ class LLMEngine:
                 "from": [m.value for m in found.media], "limited_blocks": found.limited}
 
     def purge(self, prompt: PromptType, cache_salt: str = "") -> dict[str, Any]:
-        """Remove this prompt's full blocks (in `cache_salt`'s namespace) from every tier:
-        the device's free cached copies and the host's now, the copies below host erased
-        (a disk slot overwritten, a file or a key deleted) before this returns. A copy a
-        running request or a job still uses stays (counted `_in_use`: ask again when it is
-        done). RequestError for a prompt no request could send."""
+        """Remove this prompt's blocks (in `cache_salt`'s namespace) from every tier: its
+        full blocks and every part of a block a cache breakpoint inside it could have kept
+        (one key per prompt token in all), the device's free cached copies and the host's
+        now, the copies below host erased (a disk slot overwritten, a file or a key deleted)
+        before this returns. A copy a running request or a job still uses stays (counted
+        `_in_use`: ask again when it is done). RequestError for a prompt no request could
+        send."""
         _, token_ids = self._checked_prompt(prompt)
         bs = self.scheduler.block_size
-        keys = hash_blocks(self.namespace(cache_salt), token_ids, bs)
-        device, device_in_use = self.pool.purge(keys)
-        purged, events = self.tier.purge(keys)
+        namespace = self.namespace(cache_salt)
+        keys = hash_blocks(namespace, token_ids, bs)
+        parts = [key for i, parent in enumerate([namespace, *keys])
+                 for key, _ in partial_keys(parent, token_ids[i * bs:(i + 1) * bs], bs)]
+        device, device_in_use = self.pool.purge(keys)  # the device keeps full blocks only
+        purged, events = self.tier.purge(keys + parts)
         self.scheduler.apply(events)
         return {"prompt_tokens": len(token_ids), "blocks": len(keys),
                 "device_blocks": device, "device_in_use": device_in_use,

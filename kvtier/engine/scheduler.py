@@ -26,7 +26,7 @@ from kvtier.config import LoadMode, SchedulerConfig, WritePolicy
 from kvtier.engine.admission import AdmissionPlan, plan_admission
 from kvtier.engine.batch import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Phase, Sequence, SequenceStatus, SwapState
-from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, Residency, swap_key
+from kvtier.tier import BlockKey, Event, FetchDone, LoadDone, Residency, hash_block, swap_key
 
 if TYPE_CHECKING:  # the tier client imports this module's ScheduledSeq
     from kvtier.engine.engine_tier import EngineTier
@@ -320,9 +320,10 @@ class Scheduler:
                 continue  # its blocks are being written: released when the load lands
             # what it published in the prefix cache beyond what it read: usage's writes
             published = self.kv.published_tokens(seq.request_id, len(seq.prompt_token_ids))
+            self._write_through(seq)
+            published = max(published, *seq.exact_breakpoints, 0)
             seq.num_cache_write_tokens = max(0, published - seq.num_cached_tokens
                                              - seq.num_restored_tokens)
-            self._write_through(seq)
             self.tier.finished(seq.request_id, seq.swapped.keys if seq.swapped else ())
             self.kv.free(seq.request_id)
             self.namespaces.pop(seq.request_id, None)
@@ -344,7 +345,30 @@ class Scheduler:
         if self.policy.kv_write_policy is WritePolicy.WRITE_THROUGH or hints.stores:
             self.tier.store(table.block_ids[:full], keys, tokens, tenant=hints.tenant,
                             prefix=True)
-        seq.hint_reply = self.tier.answer(seq.request_id, hints, keys, tokens)
+        parts = self._store_parts(seq, keys)
+        seq.exact_breakpoints = tuple(sorted(parts))
+        seq.hint_reply = self.tier.answer(seq.request_id, hints, keys, tokens, parts)
+
+    def _store_parts(self, seq: Sequence, keys: Seq[BlockKey]) -> dict[int, BlockKey]:
+        """Each cache breakpoint inside a block keeps the tokens before it: that block goes
+        down to host under the key of its leading part (what a later request loads into a
+        block of its own, so its match ends exactly there). Returns breakpoint -> key, for
+        the parts the host took."""
+        table = self.kv.tables[seq.request_id]
+        bs = self.block_size
+        parts: dict[int, BlockKey] = {}
+        for end in sorted({p.tokens for p in seq.hints.prefixes if p.tokens % bs}):
+            index = end // bs
+            if end > seq.num_computed_tokens or index > len(keys) or \
+                    index >= len(table.block_ids):
+                continue  # not computed, or its full blocks were not all handed down
+            parent = keys[index - 1] if index else self.namespaces[seq.request_id]
+            part = seq.tokens(index * bs, end)
+            key = hash_block(parent, part)
+            if self.tier.store([table.block_ids[index]], [key], [part],
+                               tenant=seq.hints.tenant):
+                parts[end] = key
+        return parts
 
     def abort(self, request_id: str) -> Sequence | None:
         fetching = self.fetching.pop(request_id, None)

@@ -11,7 +11,7 @@ both implement `EngineTier`, which the type checker holds them to.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from kvtier.cache.block_pool import BlockPool
@@ -101,10 +101,12 @@ class TierClient:
         return self.worker.report()
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0
-              ) -> Match | None:
-        """`compute_ahead`: prompt tokens of running sequences not computed yet."""
-        return self.manager.match(request_id, keys, tokens, preempted, compute_ahead)
+              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0,
+              parent: BlockKey | None = None, tail: Sequence[int] = ()) -> Match | None:
+        """`compute_ahead`: prompt tokens of running sequences not computed yet; `parent`
+        and `tail`: a breakpoint's part of a block may end the match (TierManager.match)."""
+        return self.manager.match(request_id, keys, tokens, preempted, compute_ahead, parent,
+                                  tail)
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
                  tokens: Sequence[Sequence[int]], tenant: str = "") -> Prefetch:
@@ -162,10 +164,12 @@ class TierClient:
         return True
 
     def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]]) -> HintReply:
+               tokens: Sequence[Sequence[int]], parts: Mapping[int, BlockKey] | None = None
+               ) -> HintReply:
         """What the finished request's hints ask of its full blocks (retention, an expected
-        return), answered by the tier."""
-        return self.manager.answer(request_id, hints, keys, tokens)
+        return) and of the parts of blocks its breakpoints kept (`parts`), answered by the
+        tier."""
+        return self.manager.answer(request_id, hints, keys, tokens, parts)
 
     def stage_returns(self) -> None:
         self.manager.stage_returns()
@@ -323,8 +327,8 @@ class NullTier:
         self.policy = policy
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
-              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0
-              ) -> Match | None:
+              tokens: Sequence[Sequence[int]], preempted: bool, compute_ahead: int = 0,
+              parent: BlockKey | None = None, tail: Sequence[int] = ()) -> Match | None:
         return NO_MATCH
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
@@ -356,7 +360,8 @@ class NullTier:
         return False
 
     def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]]) -> HintReply:
+               tokens: Sequence[Sequence[int]], parts: Mapping[int, BlockKey] | None = None
+               ) -> HintReply:
         return HintReply.every(hints, Grant(refused=Refusal.DISABLED))  # no tier at all
 
     def stage_returns(self) -> None:

@@ -51,16 +51,18 @@ class CacheUsage:
 
 def cache_usage(out: RequestOutput, marks: Sequence[tuple[int, str]], block_size: int
                 ) -> CacheUsage:
-    """What `out` read, and of the full blocks it published past that, how many tokens lie
+    """What `out` read, and of what it wrote to the cache past that, how many tokens lie
     before each breakpoint (`marks`: its tokens and lifetime label, in prompt order; the
-    whole prompt for an implicit one). The cache keeps whole blocks: a breakpoint inside a
-    block keeps the blocks before it."""
+    whole prompt for an implicit one). A breakpoint inside a block is kept to the token where
+    the engine kept that block's part (`exact_breakpoints`: a tier took it), else to the last
+    full block before it."""
     read = out.num_read_tokens
     published_end = read + out.num_cache_write_tokens
     by_ttl: dict[str, int] = {}
     start = read
     for tokens, ttl in marks:
-        end = min(tokens // block_size * block_size, published_end)
+        kept = tokens if tokens in out.exact_breakpoints else tokens // block_size * block_size
+        end = min(kept, published_end)
         if end > start:
             by_ttl[ttl] = by_ttl.get(ttl, 0) + end - start
             start = end

@@ -84,8 +84,10 @@ from kvtier.tier.keys import (
     BlockKey,
     Medium,
     chain_parents,
+    hash_block,
     hash_blocks,
     is_swap_key,
+    partial_keys,
     swap_key,
 )
 from kvtier.tier.knobs import check_bounds, check_types
@@ -195,6 +197,7 @@ __all__ = [
     "configured_stores",
     "counter_rows",
     "declines",
+    "hash_block",
     "hash_blocks",
     "heads_first_coded_shape",
     "host_slot_count",
@@ -202,6 +205,7 @@ __all__ = [
     "is_swap_key",
     "knob_names",
     "label_text",
+    "partial_keys",
     "request_tenant",
     "seconds",
     "store_aliases",

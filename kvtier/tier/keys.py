@@ -91,6 +91,15 @@ def hash_blocks(
     return keys
 
 
+def partial_keys(parent: BlockKey, token_ids: Sequence[int], block_size: int
+                 ) -> list[tuple[BlockKey, Sequence[int]]]:
+    """Every proper leading part of a block's tokens after `parent`, longest first, with its
+    key: a cache breakpoint inside a block keeps the tokens before it under such a key (a
+    part hashes fewer tokens than a full block, so no part's key is a full block's)."""
+    top = min(len(token_ids), block_size - 1)
+    return [(hash_block(parent, token_ids[:n]), token_ids[:n]) for n in range(top, 0, -1)]
+
+
 def chain_parents(keys: Sequence[BlockKey]) -> list[BlockKey | None]:
     """Each key's parent where `keys` are a prefix from its first block (the tiers drop a
     prefix from its tail with these)."""

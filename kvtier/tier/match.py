@@ -22,10 +22,18 @@ class Match:
     fetching: bool = False  # not yet: a fetch below host is on its way (ask again after it)
     # tokens found (host or below) but recomputed, by reason
     declined_by: tuple[tuple[Decline, int], ...] = ()
+    # the last load key holds part of a block (the tokens before a cache breakpoint inside
+    # it): loaded into a block of the request's own, never shared as a full block
+    partial: bool = False
 
     @property
     def declined_tokens(self) -> int:
         return sum(n for _, n in self.declined_by)
+
+    @property
+    def full_keys(self) -> tuple[BlockKey, ...]:
+        """The loaded keys that name full blocks (what a block table may chain on)."""
+        return self.load_keys[:-1] if self.partial else self.load_keys
 
     @property
     def source(self) -> Medium | None:

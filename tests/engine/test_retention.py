@@ -253,10 +253,11 @@ def test_one_tenant_cannot_pin_a_whole_disk_by_retaining_what_it_spills(
     assert mallory.held["disk"] == disk_slots  # the rest of the disk: ordinary blocks
 
 
-def test_a_breakpoint_keeps_only_the_blocks_before_it_through_a_flood(
+def test_a_breakpoint_keeps_exactly_the_tokens_before_it_through_a_flood(
         tiny: LoadedModel, tmp_path: Path, reference: RequestOutput) -> None:
-    # a cache breakpoint 40 tokens into the system prompt: its two full blocks are retained,
-    # the rest of the prompt is not; after the flood the turn restores exactly those two
+    # a cache breakpoint 40 tokens into the system prompt: its two full blocks and the part
+    # of the third before it are retained, the rest of the prompt is not; after the flood the
+    # turn restores exactly those 40 tokens
     engine = engine_of(tiny, **tiers(tmp_path))
     try:
         first = ask(engine, SYSTEM, "victim", prefixes=(PrefixRetention(40, 3600.0),))
@@ -266,10 +267,10 @@ def test_a_breakpoint_keeps_only_the_blocks_before_it_through_a_flood(
     finally:
         engine.close()
     [grant] = first.hint_reply.prefixes
-    assert grant.value == 3600.0 and grant.blocks == 2 and first.retention is None
+    assert grant.value == 3600.0 and grant.blocks == 3 and first.retention is None
     assert out.token_ids == reference.token_ids
-    assert out.residency == "host" and out.num_restored_tokens == 32
-    assert tenants["victim"].retained["host"] == 2
+    assert out.residency == "host" and out.num_restored_tokens == 40
+    assert tenants["victim"].retained["host"] == 3
 
 
 def test_a_breakpoint_asked_again_renews_its_lifetime_and_one_not_renewed_expires(
@@ -293,7 +294,7 @@ def test_a_breakpoint_asked_again_renews_its_lifetime_and_one_not_renewed_expire
         engine.close()
     assert again.num_cached_tokens + again.num_restored_tokens >= 32
     assert again.hint_reply.prefixes[0].value == 2.0
-    assert kept.residency == "host" and kept.num_restored_tokens == 32
+    assert kept.residency == "host" and kept.num_restored_tokens == 40  # to the breakpoint
     assert gone.residency == "new" and gone.num_restored_tokens == 0
 
 

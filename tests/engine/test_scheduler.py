@@ -112,9 +112,10 @@ class SeeingTier(NullTier):
         super().__init__(OffloadPolicy())
         self.ahead: dict[str, int] = {}
 
-    def match(self, request_id, keys, tokens, preempted, compute_ahead=0):
+    def match(self, request_id, keys, tokens, preempted, compute_ahead=0, parent=None,
+              tail=()):
         self.ahead[request_id] = compute_ahead
-        return super().match(request_id, keys, tokens, preempted, compute_ahead)
+        return super().match(request_id, keys, tokens, preempted, compute_ahead, parent, tail)
 
 
 def test_a_lookup_is_told_the_prompt_tokens_running_sequences_have_not_computed() -> None:

@@ -28,7 +28,7 @@ GREEDY = {"temperature": 0}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     disk = tmp_path_factory.mktemp("messages") / "kv"
     proc, url = start_server("--num-device-blocks", "48", "--batch-invariant",
-                             "--kv-offloading-size", str(24 * BLOCK_GIB),
+                             "--kv-offloading-size", str(32 * BLOCK_GIB),
                              "--disk-kv-path", str(disk), "--disk-kv-size", "0.0004",
                              "--disk-kv-read-gbps", "2", "--idle-offload-s", "0.2",
                              # what was kept is read back: for the tiny model the planner
@@ -93,7 +93,7 @@ def test_a_cache_control_writes_its_blocks_then_reads_them(server: str) -> None:
     u = first.usage
     assert first.model_extra["kvtier_cache_breakpoints_s"] == [3600]
     assert u.cache_read_input_tokens == 0  # a system prompt never seen before
-    assert u.cache_creation_input_tokens > 0 and u.cache_creation_input_tokens % BLOCK == 0
+    assert u.cache_creation_input_tokens > 0  # to the token: the part of a block kept too
     assert u.cache_creation.ephemeral_1h_input_tokens == u.cache_creation_input_tokens
     assert u.cache_creation.ephemeral_5m_input_tokens == 0
     again = ask(c, system("1h", text), user="second")

@@ -14,14 +14,16 @@ import pytest
 from conftest import start_server
 
 SYSTEM = "You answer briefly. " * 5  # ~100 bytes: six blocks of the tiny model's tokens
-BLOCK = 16  # tokens a block of the tiny model holds
 BLOCK_GIB = 8192 / 1024**3  # one block of the tiny model
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
+    # a part of a block read back is loaded whatever the planner would choose: for the
+    # tiny model recomputing 8 tokens can win, and these tests are about what was kept
     proc, url = start_server("--num-device-blocks", "64", "--batch-invariant",
-                             "--kv-offloading-size", str(128 * BLOCK_GIB))
+                             "--kv-offloading-size", str(128 * BLOCK_GIB),
+                             "--load-policy", "always")
     try:
         yield url
     finally:
@@ -93,8 +95,14 @@ def test_a_breakpoint_on_an_input_text_part_keeps_its_prefix(server: str) -> Non
     assert out.model_extra["kvtier_cache_breakpoints_s"] == [43200]
     assert "kvtier_retention_s" not in out.model_extra  # explicit: no implicit breakpoint
     written = out.usage.input_tokens_details.cache_write_tokens
-    assert written > 0 and written % BLOCK == 0
+    assert written > 0
     assert written == out.usage.input_tokens_details.cache_write_tokens_details.ttl_12h_tokens
+    # the same part, then other text: read back exactly to the breakpoint, not a block edge
+    again = respond(c, [{"role": "user", "content": [part, {"type": "input_text",
+                                                             "text": " but this one."}]}],
+                    prompt_cache_options={"mode": "explicit"})
+    read = out.usage.input_tokens_details.cached_tokens  # earlier tests' shared prefix
+    assert again.usage.input_tokens_details.cached_tokens == read + written
 
 
 @pytest.mark.parametrize("extra, says", [

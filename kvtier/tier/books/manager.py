@@ -38,7 +38,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
 from kvtier.tier.books.below import BelowHost
@@ -52,7 +52,7 @@ from kvtier.tier.books.tenancy import Grant, Refusal
 from kvtier.tier.config import TierConfig
 from kvtier.tier.hints import Hint, HintReply, KvHints, Purged
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
-from kvtier.tier.keys import BlockKey, Medium, is_swap_key
+from kvtier.tier.keys import BlockKey, Medium, is_swap_key, partial_keys
 from kvtier.tier.load_policy import Ahead, Decline, LoadPolicy
 from kvtier.tier.match import FETCHING, NO_MATCH, Match, Prefetch, declines
 from kvtier.tier.outcome import RequestOutcome, landed
@@ -167,13 +167,20 @@ class TierManager:
 
     def match(self, request_id: str, keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], preempted: bool = False,
-              compute_ahead: int = 0) -> Match | None:
+              compute_ahead: int = 0, parent: BlockKey | None = None,
+              tail: Sequence[int] = ()) -> Match | None:
         """The blocks after the device prefix (`keys[i]` covers `tokens[i]`; a preempted
         sequence's partial last block included) that are worth restoring rather than
         recomputing, `compute_ahead` prefill tokens being admitted before it and not yet
         computed. None: a deeper tier's answer is pending, ask again next step. Where
         the prefix goes on below host and reading it up beats recomputing it, the fetch
-        starts here and the answer is FETCHING (not yet) until it lands."""
+        starts here and the answer is FETCHING (not yet) until it lands.
+
+        `parent` (the key before `keys[0]`) asks for a part of a block too: where the chain
+        stops on host, the longest leading part of the next block (of `tail`, the tokens
+        after the last of `tokens` that may be loaded, past the chain's end) that a cache
+        breakpoint kept under its own key is loaded with it, so the match ends exactly at
+        that breakpoint."""
         if self.returns.arriving(keys):  # its prefix is being staged up: not yet
             return None
         state = self._requests.setdefault(request_id, RequestBooks())
@@ -192,6 +199,10 @@ class TierManager:
                 return None
             state.checked_below = True
             media = found if cap is None else found[: max(0, cap // self.block_size - hits)]
+        part = (self._part(keys, tokens, hits, parent, tail, cap)
+                if parent is not None and not media and not preempted else None)
+        if part is not None:
+            keys, tokens, hits = [*keys[:hits], part[0]], [*tokens[:hits], part[1]], hits + 1
         restored = sum(len(t) for t in tokens[:hits])
         plan = self.fetch_up.plan(hits, restored, media,
                                   lambda via: self._ahead(compute_ahead, via), preempted)
@@ -211,7 +222,24 @@ class TierManager:
             return Match(decision=plan.decision,
                          declined_by=declines(state.declined, (plan.load_declined, restored)))
         return Match(tuple(keys[:hits]), restored, plan.decision, state.fetched_from,
-                     declined_by=declines(state.declined))
+                     declined_by=declines(state.declined), partial=part is not None)
+
+    def _part(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]], hits: int,
+              parent: BlockKey, tail: Sequence[int], cap: int | None
+              ) -> tuple[BlockKey, Sequence[int]] | None:
+        """The longest leading part of the block after the host's `hits` blocks that host
+        memory keeps under its own key (a breakpoint's), within the load cap; None if none."""
+        chunk = tokens[hits] if hits < len(tokens) else tail
+        room = self.block_size - 1 if cap is None else min(self.block_size - 1,
+                                                            cap - hits * self.block_size)
+        if not chunk or room < 1:
+            return None
+        for key, part in partial_keys(keys[hits - 1] if hits else parent, chunk[:room],
+                                      self.block_size):
+            if self.host.has(key, part):
+                self.host.lookup([key], [part])  # the one probe that hits, counted
+                return key, part
+        return None
 
     def prefetch(self, request_id: str, keys: Sequence[BlockKey],
                  tokens: Sequence[Sequence[int]], tenant: str = "") -> Prefetch | None:
@@ -223,9 +251,13 @@ class TierManager:
                                       tenant)
 
     def answer(self, request_id: str, hints: KvHints, keys: Sequence[BlockKey],
-               tokens: Sequence[Sequence[int]]) -> HintReply:
+               tokens: Sequence[Sequence[int]], parts: Mapping[int, BlockKey] | None = None
+               ) -> HintReply:
         """What a finished request's hints ask of its full blocks `keys` (covering `tokens`,
-        handed to the tier already: stored, or still storing), each asked hint answered."""
+        handed to the tier already: stored, or still storing), each asked hint answered.
+        `parts`: a breakpoint inside a block (its tokens) -> the key its part of that block
+        was stored under, kept with the breakpoint's full blocks."""
+        parts = parts or {}
         retention = expect = None
         if hints.asks(Hint.RETENTION):  # an invalid value is counted with the refusals
             retention = self.retain(keys, hints.tenant, None if Hint.RETENTION in hints.invalid
@@ -235,8 +267,9 @@ class TierManager:
             expect = (Grant(refused=Refusal.INVALID)
                       if after is None or Hint.EXPECT_RETURN in hints.invalid
                       else self.expect(request_id, keys, tokens, after, hints.tenant))
-        prefixes = tuple(self.retain(keys[:p.tokens // self.block_size], hints.tenant,
-                                     p.seconds) for p in hints.prefixes)
+        prefixes = tuple(self.retain([*keys[:p.tokens // self.block_size],
+                                      *([parts[p.tokens]] if p.tokens in parts else [])],
+                                     hints.tenant, p.seconds) for p in hints.prefixes)
         return HintReply(retention, expect, prefixes)
 
     def retain(self, keys: Sequence[BlockKey], tenant: str, seconds: float | None) -> Grant:

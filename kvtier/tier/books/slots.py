@@ -341,6 +341,12 @@ class SlotTier:
             if self._pins[key] == 0:
                 del self._pins[key]
 
+    def has(self, key: BlockKey, tokens: Sequence[int]) -> bool:
+        """Whether `key` is stored, visible and holds these token ids: a probe among many
+        candidates (a breakpoint's part of a block), not counted as a lookup."""
+        entry = self._entries.get(key)
+        return entry is not None and key not in self._storing and entry.tokens == tuple(tokens)
+
     def slot_of(self, key: BlockKey) -> int:
         """The slot a present key occupies."""
         return self._entries[key].slot
