@@ -98,6 +98,24 @@ def test_a_prompt_that_ends_at_its_breakpoint_writes_it_and_the_next_turn_reads_
     assert out.token_ids == plain[40 + len(TURN)]
 
 
+def test_after_a_restart_the_part_comes_up_from_disk_with_its_blocks(
+        tiny: LoadedModel, plain: dict[int, list[int]], tmp_path: Path) -> None:
+    disk = {"disk_kv_path": str(tmp_path / "kv"), "disk_kv_size": 0.001,
+            "disk_kv_read_gbps": 2.0}
+    engine = engine_of(tiny, **disk)
+    try:
+        ask(engine, SYSTEM, prefixes=MARK)
+    finally:
+        engine.close()
+    engine = engine_of(tiny, **disk)  # an empty host: all of it is on disk
+    try:
+        out = ask(engine, TURN)
+    finally:
+        engine.close()
+    assert out.residency == "disk" and out.num_restored_tokens == 40
+    assert out.token_ids == plain[len(TURN)]
+
+
 def test_without_a_host_tier_the_breakpoint_keeps_the_blocks_before_it(
         tiny: LoadedModel) -> None:
     engine = engine_of(tiny, tier=False)

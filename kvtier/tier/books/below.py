@@ -207,6 +207,14 @@ class BelowHost:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
         return any(t.local and t.lookup([key]) == 1 for t in self.tiers)
 
+    def local_copy(self, key: BlockKey, tokens: Sequence[int]) -> Medium | None:
+        """The nearest local tier holding `key` complete with these token ids, or None: a
+        probe among a breakpoint's candidate parts of a block, not counted as a lookup."""
+        for t in self.tiers:
+            if t.local and isinstance(t, SlotTier) and t.has(key, tokens):
+                return t.medium
+        return None
+
     def keeps(self, key: BlockKey) -> bool:
         """Whether a local tier below host holds `key` and keeps it as its retention says
         (`holds`, and where `key` is retained, its retention holds there: a disk whose

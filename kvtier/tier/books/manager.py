@@ -199,6 +199,12 @@ class TierManager:
                 return None
             state.checked_below = True
             media = found if cap is None else found[: max(0, cap // self.block_size - hits)]
+            end = hits + len(media)  # where the chain stops below host too
+            below = (self._part_below(keys, tokens, end, parent, tail)
+                     if parent is not None and len(media) == len(found) else None)
+            if below is not None:  # a breakpoint's part, on a local tier: fetched with it
+                keys, tokens = [*keys[:end], below[0]], [*tokens[:end], below[1]]
+                media = [*media, below[2]]
         part = (self._part(keys, tokens, hits, parent, tail, cap)
                 if parent is not None and not media and not preempted else None)
         if part is not None:
@@ -223,6 +229,18 @@ class TierManager:
                          declined_by=declines(state.declined, (plan.load_declined, restored)))
         return Match(tuple(keys[:hits]), restored, plan.decision, state.fetched_from,
                      declined_by=declines(state.declined), partial=part is not None)
+
+    def _part_below(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
+                    at: int, parent: BlockKey, tail: Sequence[int]
+                    ) -> tuple[BlockKey, Sequence[int], Medium] | None:
+        """The longest leading part of block `at` that a local tier below host keeps under
+        its own key (shared stores are not probed: their presence answers come later)."""
+        chunk = tokens[at] if at < len(tokens) else tail
+        for key, part in partial_keys(keys[at - 1] if at else parent, chunk, self.block_size):
+            medium = self.below.local_copy(key, part)
+            if medium is not None:
+                return key, part, medium
+        return None
 
     def _part(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]], hits: int,
               parent: BlockKey, tail: Sequence[int], cap: int | None
