@@ -97,3 +97,18 @@ def test_a_reset_releases_every_retention_it_made_unreachable() -> None:
     assert sum(tenancy.counts["a"].retained.values()) == 0
     assert sum(tenancy.counts["b"].retained.values()) == 0
     assert all(m.below.holds(k) for k in KEYS[:8])  # down, not away
+
+
+def test_a_fetch_with_no_room_still_loads_what_host_holds() -> None:
+    # X on host (retained by b), Y after it only on disk, the host's other six slots pinned
+    # by a burst: Y cannot come up, and X is loaded alone (this asserted in the manager once)
+    m = manager()
+    stored(m, X, "b", True)
+    stored(m, Y, "b", False)
+    m.host.remove(KEYS[Y])
+    m.store(list(range(Z.start, Z.stop)), KEYS[Z], CHUNKS[Z], tenant="burst")  # in flight
+    assert m.host.room() == 0
+    both = slice(X.start, Y.stop)
+    found = m.match("x", KEYS[both], CHUNKS[both])
+    assert found is not None and list(found.load_keys) == KEYS[X]
+    assert dict(found.declined_by) == {Decline.NO_ROOM: 16}

@@ -210,8 +210,11 @@ class TierManager:
         if part is not None:
             keys, tokens, hits = [*keys[:hits], part[0]], [*tokens[:hits], part[1]], hits + 1
         restored = sum(len(t) for t in tokens[:hits])
-        plan = self.fetch_up.plan(hits, restored, media,
-                                  lambda via: self._ahead(compute_ahead, via), preempted)
+
+        def ahead(via: str | None) -> Ahead:
+            return self._ahead(compute_ahead, via)
+
+        plan = self.fetch_up.plan(hits, restored, media, ahead, preempted)
         for reason, n in plan.declined:
             state.declined[reason] += n
         if plan.fetch:
@@ -221,6 +224,7 @@ class TierManager:
                 state.fetching = True
                 return FETCHING
             state.declined[Decline.NO_ROOM] += n * self.block_size
+            plan = self.fetch_up.plan(hits, restored, (), ahead, preempted)  # host's alone
         if hits == 0:
             return Match(declined_by=declines(state.declined)) if state.declined else NO_MATCH
         if not plan.load:
@@ -237,6 +241,8 @@ class TierManager:
         its own key (shared stores are not probed: their presence answers come later)."""
         chunk = tokens[at] if at < len(tokens) else tail
         for key, part in partial_keys(keys[at - 1] if at else parent, chunk, self.block_size):
+            if self.host.has(key, part):
+                return None  # host memory's copy is the one: matched once the rest is up
             medium = self.below.local_copy(key, part)
             if medium is not None:
                 return key, part, medium
