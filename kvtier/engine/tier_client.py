@@ -172,7 +172,11 @@ class TierClient:
         return self.manager.answer(request_id, hints, keys, tokens, parts)
 
     def stage_returns(self) -> None:
-        self.manager.stage_returns()
+        """Sessions due back soon come up; blocks whose retention expired are erased (with
+        kv_retention_erase), the device's free cached copies too."""
+        expired = self.manager.stage_returns()
+        if expired:
+            self.pool.purge(expired)
 
     # -- the two pool policies -----------------------------------------------------------
 

@@ -175,7 +175,8 @@ def make_tenancy(config: TierConfig, slot_bytes: int) -> Tenancy:
                     {t: quota_blocks(q, slot_bytes) for t, q in config.kv_tenant_quotas.items()})
     where = config.retention_dir
     return Tenancy(quotas, config.kv_retention_max_s,
-                   RetentionFile(where) if where is not None else None)
+                   RetentionFile(where) if where is not None else None,
+                   erase_expired=config.kv_retention_erase)
 
 
 def shared_mac(config: TierConfig, warn: bool = True) -> BlockMac | None:

@@ -151,6 +151,11 @@ class TierConfig:
     # `prompt_cache_retention`, vLLM's `kv_transfer_params` `kvtier_retention_s`): the longest
     # granted, in seconds (longer is refused, "refused:over_max"); 0 turns retention off.
     kv_retention_max_s: float = DAY_S
+    # Zero data retention: a retention that expires erases its blocks from every tier (the
+    # device's cached copy and host memory's dropped, a disk slot overwritten with zeros, a
+    # shared store's key deleted) and its hash from the retention file, on the next step;
+    # False: they stay, as ordinary cached blocks.
+    kv_retention_erase: bool = False
     # What names a request's tenant where no API key (or kvtier serve's --tenant-header)
     # does: "none", every such request is one tenant; "cache_salt", its cache_salt, only where
     # the operator's router sets it and clients cannot (a client minting a salt per request

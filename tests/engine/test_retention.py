@@ -17,7 +17,7 @@ from kvtier.errors import RequestError
 from kvtier.model.loader import LoadedModel
 from kvtier.output import RequestOutput
 from kvtier.sequence import KvHints, SamplingParams
-from kvtier.tier import PrefixRetention
+from kvtier.tier import PrefixRetention, hash_blocks
 
 BLOCK_GIB = 8192 / 1024**3  # one block of the tiny model, on host
 BASE = {"num_device_blocks": 48, "batch_invariant": True}
@@ -308,3 +308,35 @@ def test_no_tier_refuses_every_hint_alike(tiny: LoadedModel) -> None:
     reply = out.hint_reply
     assert [str(g) for g in (reply.retention, reply.expect_return, *reply.prefixes)] == \
         ["refused:disabled"] * 4
+
+
+@pytest.mark.parametrize("erase", [True, False])
+def test_an_expired_retention_erases_its_blocks_where_the_deployment_asks(
+        tiny: LoadedModel, tmp_path: Path, reference: RequestOutput, erase: bool) -> None:
+    """Zero data retention (kv_retention_erase): once a retention expires its blocks leave
+    the device, host and disk (the raw file holds none of their keys, nor the retention
+    file their hashes) on the next step; without it they stay as ordinary cached blocks."""
+    engine = engine_of(tiny, **tiers(tmp_path), kv_retention_erase=erase)
+    try:
+        ask(engine, SYSTEM, "victim", retention_s=0.5)
+        keys = hash_blocks(engine.namespace("victim"), SYSTEM, 16)
+        disk = max((tmp_path / "kv").iterdir(), key=lambda f: f.stat().st_size)  # the slots
+        assert all(k in disk.read_bytes() for k in keys)
+        logged = b"".join(f.read_bytes() for f in (tmp_path / "kv").iterdir() if f != disk)
+        assert all(k.hex().encode() in logged for k in keys)  # the deadlines, by hash
+        time.sleep(0.7)
+        engine.step()  # the expiry is seen, the erase decided...
+        engine.drain()  # ...and written
+        raw = disk.read_bytes()
+        log = b"".join(f.read_bytes() for f in (tmp_path / "kv").iterdir() if f != disk)
+        out = ask(engine, TURN, "victim")
+    finally:
+        engine.close()
+    assert out.token_ids == reference.token_ids
+    if erase:
+        assert not any(k in raw for k in keys)
+        assert not any(k.hex().encode() in log for k in keys)
+        assert out.residency == "new" and out.num_read_tokens == 0
+    else:
+        assert all(k in raw for k in keys)
+        assert out.num_read_tokens == 96

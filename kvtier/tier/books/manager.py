@@ -314,10 +314,19 @@ class TierManager:
         return self.returns.expect(request_id, keys, tokens, after_s, time.monotonic(),
                                    tenant)
 
-    def stage_returns(self) -> None:
-        """Fetch up what went below host of the sessions due back soon (every step)."""
+    def stage_returns(self) -> list[BlockKey]:
+        """Every step: fetch up what went below host of the sessions due back soon, and
+        erase from host and every tier below the blocks whose retention expired where the
+        deployment asks (kv_retention_erase), their hashes out of the retention file too.
+        Returns the keys erased: the device's copies are the engine's to drop."""
         if self.returns:
             self.returns.stage(time.monotonic(), self.prefetch)
+        tenancy = self.host.tenancy
+        expired = tenancy.take_expired() if tenancy.erase_expired else []
+        if expired:
+            self.purge(expired)
+            tenancy.save()
+        return expired
 
     def allocated(self, request_id: str, match: Match, device_blocks: Sequence[int],
                   layerwise: bool = False, exclusive: bool = False, swap_in: bool = False

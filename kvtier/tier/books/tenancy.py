@@ -105,10 +105,14 @@ class Tenancy:
 
     def __init__(self, quotas: Quotas | None = None, max_retention_s: float = 0.0,
                  file: RetentionFile | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, erase_expired: bool = False) -> None:
         """`file`: where retention is kept across restarts (a local tier's directory): the
-        deadlines a previous process saved there come back to the blocks a tier adopts."""
+        deadlines a previous process saved there come back to the blocks a tier adopts.
+        `erase_expired`: the keys whose retention expires are kept for `take_expired` (the
+        manager erases them: kv_retention_erase)."""
         self.quotas = quotas or Quotas()
+        self.erase_expired = erase_expired
+        self._expired: list[BlockKey] = []
         self.max_retention_s = max_retention_s
         self.clock = clock
         self.file = file
@@ -307,6 +311,15 @@ class Tenancy:
             claim = self._claims.get(key)
             if claim is not None and claim.until == until:
                 self._end(key, claim)
+                if self.erase_expired:
+                    self._expired.append(key)
+
+    def take_expired(self) -> list[BlockKey]:
+        """The keys whose retention expired since the last call and that no retention holds
+        again (with `erase_expired`; else none)."""
+        self.expire()
+        expired, self._expired = self._expired, []
+        return [k for k in dict.fromkeys(expired) if not self.retained(k)]
 
     def release_all(self) -> None:
         """End every retention now (a cache reset: what was retained is another identity's
