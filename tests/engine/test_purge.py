@@ -97,10 +97,11 @@ def test_a_purge_deletes_the_shared_directory_files_and_the_valkey_keys(
         tiny: LoadedModel, tmp_path: Path, valkey_server: Any) -> None:
     shared = tmp_path / "shared"
     url = f"valkey://127.0.0.1:{valkey_server.port}/0"
-    e = engine(tiny, kv_offloading_size=0.02,
-               kv_stores={"fs": {"path": str(shared)}, "redis": {"url": url}})
+    stores = {"kv_offloading_size": 0.02,
+              "kv_stores": {"fs": {"path": str(shared)}, "redis": {"url": url}}}
+    e = engine(tiny, **stores)
     try:
-        written_down(e, GONE, KEPT)
+        reference, _ = written_down(e, GONE, KEPT)
         files = {f for f in shared.rglob("*") if f.is_file()}
         with valkey_server.client() as client:
             stored = set(client.scan_iter(count=1000))
@@ -113,10 +114,17 @@ def test_a_purge_deletes_the_shared_directory_files_and_the_valkey_keys(
         with valkey_server.client() as client:
             remaining = set(client.scan_iter(count=1000))
         assert len(files - left) == 6 and len(stored - remaining) == 6
-        woken = serve(e, KEPT)  # the other prompt is still there
-        assert woken.num_restored_tokens + woken.num_cached_tokens == 96
     finally:
         e.close()
+    again = engine(tiny, **stores)  # a restart: an empty host over the same stores
+    try:
+        woken = serve(again, KEPT)  # the other prompt is still there
+        assert woken.residency.value == "remote" and woken.num_restored_tokens == 96
+        fresh = serve(again, GONE)
+        assert fresh.residency.value == "new" and fresh.num_restored_tokens == 0
+        assert fresh.token_ids == reference.token_ids  # computed again, exactly
+    finally:
+        again.close()
 
 
 def test_a_store_that_cannot_erase_says_so(tiny: LoadedModel, valkey_server: Any) -> None:
