@@ -30,7 +30,7 @@ from kvtier.model.runner import ModelRunner
 from kvtier.model.sampler import SampleResult
 from kvtier.output import RequestOutput, StopChecker, StreamDelta
 from kvtier.sequence import Phase, SamplingParams, Sequence
-from kvtier.tier import BlockKey, Fingerprint, KvHints, hash_blocks, partial_keys
+from kvtier.tier import BlockKey, Fingerprint, KvHints, Purged, hash_blocks, partial_keys
 
 PromptType = str | list[int] | dict[str, Any]
 NAMESPACE_CACHE = 1024  # distinct cache salts whose chain seed is kept
@@ -166,14 +166,21 @@ class LLMEngine:
         keys = hash_blocks(namespace, token_ids, bs)
         parts = [key for i, parent in enumerate([namespace, *keys])
                  for key, _ in partial_keys(parent, token_ids[i * bs:(i + 1) * bs], bs)]
-        device, device_in_use = self.pool.purge(keys)  # the device keeps full blocks only
+        device = self.pool.purge(keys)  # the device keeps full blocks only
         purged, events = self.tier.purge(keys + parts)
         self.scheduler.apply(events)
         return {"prompt_tokens": len(token_ids), "blocks": len(keys),
-                "device_blocks": device, "device_in_use": device_in_use,
-                "host_blocks": purged.host_blocks, "host_in_use": purged.host_in_use,
-                "erased": {m.value: n for m, n in purged.below.items()},
-                "erase_failures": {m.value: n for m, n in purged.erase_failures.items()}}
+                **_purge_counts(device, purged)}
+
+    def purge_tenant(self, tenant: str) -> dict[str, Any]:
+        """Remove every block `tenant` owns from every tier, as `purge` removes a prompt's:
+        the blocks a tier here holds for it, and those it wrote that only a shared store
+        may still hold, as far as the tier remembers their owner (the last 65536 such
+        blocks). Blocks a tier never held (a device's under write_back) have no owner."""
+        purged, keys, events = self.tier.purge_tenant(tenant)
+        device = self.pool.purge(keys)
+        self.scheduler.apply(events)
+        return {"tenant": tenant, "blocks": len(keys), **_purge_counts(device, purged)}
 
     def _checked_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, refused (RequestError) where no request could
@@ -365,3 +372,11 @@ class LLMEngine:
                 else:
                     self.finished_outputs.append(out)
         return done
+
+
+def _purge_counts(device: tuple[int, int], purged: Purged) -> dict[str, Any]:
+    """A purge's answer: what went and what stayed, per tier (JSON for the client)."""
+    return {"device_blocks": device[0], "device_in_use": device[1],
+            "host_blocks": purged.host_blocks, "host_in_use": purged.host_in_use,
+            "erased": {m.value: n for m, n in purged.below.items()},
+            "erase_failures": {m.value: n for m, n in purged.erase_failures.items()}}

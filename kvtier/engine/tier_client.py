@@ -132,9 +132,27 @@ class TierClient:
     def purge(self, keys: Sequence[BlockKey]) -> tuple[Purged, list[Event]]:
         """Remove `keys` from every tier, the erasing below host done before it returns
         (every job in flight lands meanwhile: their events are the scheduler's)."""
+        return self._erased(lambda: self.manager.purge(keys))
+
+    def purge_tenant(self, tenant: str) -> tuple[Purged, list[BlockKey], list[Event]]:
+        """Remove every block `tenant` owns from every tier (as `purge`); the keys too, for
+        the device's copies."""
+        keys: list[BlockKey] = []
+
+        def purge() -> Purged:
+            purged, found = self.manager.purge_tenant(tenant)
+            keys.extend(found)
+            return purged
+
+        purged, events = self._erased(purge)
+        return purged, keys, events
+
+    def _erased(self, purge: Callable[[], Purged]) -> tuple[Purged, list[Event]]:
+        """Run `purge`, then wait for its erase jobs (and every other job in flight): what
+        it purged, with the erase failures those jobs met, and the jobs' events."""
         below = self.manager.report().below
         before = dict(below.erase_failures) if below is not None else {}
-        purged = self.manager.purge(keys)
+        purged = purge()
         events = self.drain()
         below = self.manager.report().below
         after = dict(below.erase_failures) if below is not None else {}
@@ -351,6 +369,9 @@ class NullTier:
 
     def purge(self, keys: Sequence[BlockKey]) -> tuple[Purged, list[Event]]:
         return Purged(), []  # no tier: nothing is kept anywhere
+
+    def purge_tenant(self, tenant: str) -> tuple[Purged, list[BlockKey], list[Event]]:
+        return Purged(), [], []
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
         pass

@@ -269,6 +269,21 @@ class KvPromptRequest(BaseModel):
                                "ids) and 'messages'")
 
 
+class KvPurgeRequest(KvPromptRequest):
+    """What DELETE /v1/kv erases: a prompt's blocks (`scope` "prompt", named as the other KV
+    routes name one), or every block of the caller's tenant (`scope` "tenant", no prompt)."""
+
+    scope: Literal["prompt", "tenant"] = "prompt"
+
+    def check(self) -> None:
+        if self.scope == "tenant":
+            if self.prompt is not None or self.messages is not None:
+                raise RequestError("a purge of scope 'tenant' erases every block of the "
+                                   "caller's tenant; name no prompt or messages with it")
+            return
+        super().check()
+
+
 def tenant_salt(tenant: str, cache_salt: str | None) -> str:
     """The namespace salt of a tenant's request: its own blocks, and its cache_salt's."""
     return f"tenant={tenant}|salt={cache_salt or ''}"

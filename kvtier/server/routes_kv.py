@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from kvtier.engine.llm_engine import PromptType
 from kvtier.errors import KvtierError
 from kvtier.server.engine_loop import EngineLoop
-from kvtier.server.protocol import KvPromptRequest, tenant_salt
+from kvtier.server.protocol import KvPromptRequest, KvPurgeRequest, tenant_salt
 from kvtier.server.request_body import ApiError, json_body, read_body, validated
 from kvtier.server.routes_completions import chat_prompt, completion_prompt, guarded
 from kvtier.tier import request_tenant
@@ -28,11 +28,12 @@ def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request],
     """The KV routes; authenticated (401) and bounded (413) as the generation routes are."""
     router = APIRouter()
 
-    async def asked(request: Request) -> tuple[str, KvPromptRequest, PromptType]:
-        """The caller's tenant, the body naming a prompt, and the prompt it makes."""
+    async def body(request: Request, kind: type[KvPromptRequest]
+                   ) -> tuple[str, KvPromptRequest]:
+        """The caller's tenant and its body, checked."""
         tenant = tenant_of(request)
-        req = validated(KvPromptRequest, json_body(await read_body(request, body_limit)))
-        assert isinstance(req, KvPromptRequest)
+        req = validated(kind, json_body(await read_body(request, body_limit)))
+        assert isinstance(req, kind)
         try:
             req.check()
         except KvtierError as e:
@@ -40,9 +41,11 @@ def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request],
         if req.model not in (None, served_name, "default"):
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                            f"'{served_name}'", "model_not_found")
-        prompt = await (chat_prompt(loop, req.messages) if req.messages is not None
-                        else completion_prompt(loop, req.prompt or ""))
-        return tenant, req, prompt
+        return tenant, req
+
+    async def prompt_of(req: KvPromptRequest) -> PromptType:
+        return await (chat_prompt(loop, req.messages) if req.messages is not None
+                      else completion_prompt(loop, req.prompt or ""))
 
     async def on_engine(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         try:
@@ -53,7 +56,8 @@ def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request],
     @router.post("/v1/kv/prefetch")
     @guarded
     async def prefetch(request: Request) -> JSONResponse:
-        tenant, req, prompt = await asked(request)
+        tenant, req = await body(request, KvPromptRequest)
+        prompt = await prompt_of(req)
         salt = tenant_salt(tenant, req.cache_salt)
         who = request_tenant(loop.engine.config.offload.tenant_source, req.cache_salt,
                              tenant)  # whose prefetch budget it spends
@@ -69,10 +73,20 @@ def kv_routes(loop: EngineLoop, served_name: str, tenant_of: Callable[[Request],
     @router.delete("/v1/kv")
     @guarded
     async def purge(request: Request) -> JSONResponse:
-        """The prompt's blocks, in the caller's own namespace, removed from every tier and
-        erased below host before the answer (a disk slot overwritten, a file or a key
-        deleted); what a running request still uses is kept and counted."""
-        tenant, req, prompt = await asked(request)
+        """The prompt's blocks, in the caller's own namespace (or with `scope` "tenant",
+        every block its tenant owns), removed from every tier and erased below host before
+        the answer (a disk slot overwritten, a file or a key deleted); what a running request
+        still uses is kept and counted."""
+        tenant, req = await body(request, KvPurgeRequest)
+        if isinstance(req, KvPurgeRequest) and req.scope == "tenant":
+            if not tenant:  # every client is the one tenant: it would erase everyone's
+                raise ApiError(400, "this server names no tenants (--api-keys-file or "
+                               "--tenant-header): a purge of scope 'tenant' would erase every "
+                               "client's KV; purge by prompt instead")
+            who = request_tenant(loop.engine.config.offload.tenant_source, None, tenant)
+            done = await on_engine(lambda: loop.engine.purge_tenant(who))
+            return JSONResponse({"object": "kv.purge", "model": served_name, **done})
+        prompt = await prompt_of(req)
         salt = tenant_salt(tenant, req.cache_salt)
         done = await on_engine(lambda: loop.engine.purge(prompt, cache_salt=salt))
         return JSONResponse({"object": "kv.purge", "model": served_name, **done})

@@ -11,7 +11,7 @@ from typing import Any
 from kvtier.config import EngineConfig
 from kvtier.engine.llm_engine import LLMEngine
 from kvtier.model.loader import LoadedModel
-from kvtier.sequence import SamplingParams
+from kvtier.sequence import KvHints, SamplingParams
 from kvtier.tier import BlockKey, hash_blocks
 
 TIERS = {"kv_offloading_size": 0.02, "disk_kv_size": 0.01, "disk_kv_read_gbps": 2.0}
@@ -150,5 +150,29 @@ def test_a_purge_keeps_what_a_running_request_uses_and_says_so(tiny: LoadedModel
         assert out["device_in_use"] == 6 and out["device_blocks"] == 0
         e.run_to_completion([rid])
         assert e.purge(GONE)["device_blocks"] == 6  # free now: gone
+    finally:
+        e.close()
+
+
+def test_a_tenant_purge_erases_every_block_it_owns_from_the_disk_file(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    path = tmp_path / "kv"
+    e = engine(tiny, **TIERS, disk_kv_path=str(path))
+    try:
+        for prompt, tenant in ((GONE, "a"), (KEPT, "a"), (KEPT, "b")):
+            rid = e.add_request(prompt, PARAMS, cache_salt=tenant, hints=KvHints(tenant=tenant))
+            e.run_to_completion([rid])
+        e.demote_cached()
+        e.drain()
+        owned = hash_blocks(e.namespace("a"), GONE, 16) + hash_blocks(e.namespace("a"), KEPT, 16)
+        other = hash_blocks(e.namespace("b"), KEPT, 16)
+        disk = max(path.iterdir(), key=lambda f: f.stat().st_size)
+        assert all(k in disk.read_bytes() for k in owned + other)
+        out = e.purge_tenant("a")
+        raw = disk.read_bytes()
+        assert out["tenant"] == "a" and out["blocks"] >= 12 and out["erase_failures"] == {}
+        assert not any(k in raw for k in owned)  # erased, header and all
+        assert all(k in raw for k in other)  # b's copy of the same prompt stays
+        assert e.purge_tenant("a")["blocks"] == 0  # nothing of a's is remembered
     finally:
         e.close()

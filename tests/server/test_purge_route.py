@@ -16,7 +16,8 @@ from conftest import start_server
 
 BLOCK_GIB = 8192 / 1024**3  # one block of the tiny model
 PROMPT = [10 + (i * 13) % 300 for i in range(100)]  # six full blocks
-KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-carol": "carol"}
+OTHER = [20 + (i * 7) % 250 for i in range(100)]  # another six blocks
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,9 @@ def as_(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def complete(url: str, key: str) -> dict[str, Any]:
+def complete(url: str, key: str, prompt: list[int] = PROMPT) -> dict[str, Any]:
     r = httpx.post(f"{url}/v1/completions", headers=as_(key), timeout=60, json={
-        "model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
         "ignore_eos": True})
     assert r.status_code == 200, r.text
     return dict(r.json()["usage"])
@@ -75,6 +76,8 @@ def test_a_tenant_purges_its_own_prompt_from_every_tier_and_no_one_elses(server:
     ({"prompt": PROMPT, "messages": [{"role": "user", "content": "x"}]}, "exactly one of"),
     ({"prompt": []}, "empty"),
     ({"prompt": PROMPT, "model": "other"}, "does not exist"),
+    ({"scope": "tenant", "prompt": PROMPT}, "name no prompt"),
+    ({"scope": "everyone"}, "scope"),
 ])
 def test_a_bad_purge_is_refused_and_says_why(server: str, body: dict[str, Any],
                                              says: str) -> None:
@@ -91,3 +94,33 @@ def test_a_prompt_never_seen_purges_nothing_and_fails_nothing(server: str) -> No
     assert r.status_code == 200
     out = r.json()
     assert out["host_blocks"] == out["device_blocks"] == 0 and out["erased"] == {"disk": 0}
+
+
+def test_a_tenant_purges_every_block_it_owns_and_no_one_elses(server: str) -> None:
+    complete(server, "sk-carol")
+    complete(server, "sk-carol", OTHER)
+    complete(server, "sk-alice", OTHER)
+    time.sleep(0.6)  # idle_offload_s: the blocks leave the device for host, and disk
+    r = purge(server, "sk-carol", {"scope": "tenant"})
+    assert r.status_code == 200, r.text
+    gone = r.json()
+    assert gone["object"] == "kv.purge" and gone["tenant"] == "carol"
+    assert gone["blocks"] >= 12 and gone["host_blocks"] >= 12  # both prompts, and answers
+    assert gone["erased"]["disk"] >= 12 and gone["erase_failures"] == {}
+    for prompt in (PROMPT, OTHER):
+        again = complete(server, "sk-carol", prompt)
+        assert again["residency"] == "new", again
+        assert again["prompt_tokens_details"]["cached_tokens"] == 0
+    alice = complete(server, "sk-alice", OTHER)  # the same prompt, another tenant's: kept
+    assert alice["prompt_tokens_details"]["cached_tokens"] == 96, alice
+
+
+def test_a_server_without_tenants_refuses_a_tenant_purge() -> None:
+    proc, url = start_server("--num-device-blocks", "16",
+                             "--kv-offloading-size", str(16 * BLOCK_GIB))
+    try:
+        r = httpx.request("DELETE", f"{url}/v1/kv", timeout=60, json={"scope": "tenant"})
+        assert r.status_code == 400 and "names no tenants" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

@@ -388,6 +388,17 @@ class TierManager:
         return Purged(host_blocks=dropped, host_in_use=len(present) - dropped,
                       below=self.below.purge(keys))
 
+    def purge_tenant(self, tenant: str) -> tuple[Purged, list[BlockKey]]:
+        """Every block `tenant` owns, removed as `purge` removes a prompt's: the keys a
+        tier here holds for it, and those it wrote that only a shared store may still hold
+        (as far as the tier remembers their owner). Returns the keys too (the device's
+        copies are the engine's to drop)."""
+        tenancy = self.host.tenancy
+        keys = tenancy.keys_of(tenant)
+        purged = self.purge(keys)
+        tenancy.forget_owners(keys)
+        return purged, keys
+
     def forget(self, keys: Sequence[BlockKey]) -> None:
         """Drop a request's swap entries (pinned ones, still loading, are kept)."""
         swap = [k for k in keys if is_swap_key(k)]

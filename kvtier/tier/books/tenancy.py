@@ -206,6 +206,18 @@ class Tenancy:
 
     # -- what eviction asks -------------------------------------------------------------
 
+    def keys_of(self, tenant: str) -> list[BlockKey]:
+        """Every key `tenant` owns that a tier holds, then those of its blocks no tier here
+        holds any more that it still remembers (they may be in a shared store)."""
+        return ([k for k, c in self._claims.items() if c.tenant == tenant and c.media]
+                + [k for k, t in self._former.items() if t == tenant])
+
+    def forget_owners(self, keys: Sequence[BlockKey]) -> None:
+        """Forget who owned `keys` that no tier holds any more (they were purged: not even
+        their hashes stay)."""
+        for key in keys:
+            self._former.pop(key, None)
+
     def owner(self, key: BlockKey) -> str:
         claim = self._claims.get(key)
         return claim.tenant if claim is not None else ""
