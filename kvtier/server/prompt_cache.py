@@ -58,11 +58,19 @@ def cache_usage(out: RequestOutput, marks: Sequence[tuple[int, str]], block_size
     full block before it."""
     read = out.num_read_tokens
     published_end = read + out.num_cache_write_tokens
+    return kept_usage(read, [
+        (min(tokens if tokens in out.exact_breakpoints else tokens // block_size * block_size,
+             published_end), ttl) for tokens, ttl in marks])
+
+
+def kept_usage(read: int, kept: Sequence[tuple[int, str]]) -> CacheUsage:
+    """Usage from what was read (the prompt's first `read` tokens) and how far each
+    breakpoint keeps the prompt (`kept`: its end in tokens, its lifetime label): a
+    breakpoint wrote the tokens between the end of what was read or kept before it and its
+    own end (under vLLM, the connector says both: `integrations/vllm/cache_usage.py`)."""
     by_ttl: dict[str, int] = {}
     start = read
-    for tokens, ttl in marks:
-        kept = tokens if tokens in out.exact_breakpoints else tokens // block_size * block_size
-        end = min(kept, published_end)
+    for end, ttl in sorted(kept, key=lambda mark: mark[0]):
         if end > start:
             by_ttl[ttl] = by_ttl.get(ttl, 0) + end - start
             start = end

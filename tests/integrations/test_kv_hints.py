@@ -45,7 +45,15 @@ def finish(s: SchedulerSide, rid: str, prompt: list[int], tenant: str,
     s.finished(rid)
     if land:
         finish_jobs(s, jobs)
-    return answers
+    return without_usage(answers)
+
+
+USAGE = ("kvtier_read_tokens", "kvtier_retention_kept", "kvtier_cache_breakpoints_kept")
+
+
+def without_usage(answers: dict[str, Any]) -> dict[str, Any]:
+    """The answers to the asks themselves (the usage words have a test of their own)."""
+    return {k: v for k, v in answers.items() if k not in USAGE}
 
 
 def test_a_retention_asked_while_the_blocks_are_still_storing_is_granted() -> None:
@@ -134,14 +142,14 @@ def envelope(*actions: tuple[str, str, str, Any]) -> SimpleNamespace:
 
 
 def finish_with(s: SchedulerSide, rid: str, prompt: list[int], hints: Any,
-                asks: dict[str, Any] | None = None) -> dict[str, Any]:
+                asks: dict[str, Any] | None = None, usage: bool = False) -> dict[str, Any]:
     assert s.matched_tokens(rid, prompt, "t", 0, tenant="t") == 0
     s.allocated(rid, [[1, 2, 3, 4, 5, 6]], 0)
     jobs = s.step([Scheduled(rid, [[1, 2, 3, 4, 5, 6]], len(prompt))])
     answers = s.answer(rid, asks, hints)
     s.finished(rid)
     finish_jobs(s, jobs)
-    return answers
+    return answers if usage else without_usage(answers)
 
 
 LONG = list(range(10, 32))  # 22 tokens: five full blocks of 4, and two tokens
@@ -213,3 +221,15 @@ def test_cache_breakpoints_in_the_params_keep_their_prefixes_each_answered() -> 
     assert out == {"kvtier_cache_breakpoints_s": [600.0, 60.0, "refused:invalid",
                                                   "refused:invalid"]}  # four at most
     assert s.manager.report().tenants["t"].retained["host"] == 5
+
+
+def test_a_request_that_asked_caching_is_told_what_it_read_and_how_far_each_grant_keeps() -> None:
+    # what vllm serve's middleware turns into the APIs' usage (integrations/vllm/cache_usage)
+    s = side(slots=16)
+    out = finish_with(s, "a", LONG, None, {"kvtier_retention_s": 60,
+                                           "kvtier_cache_breakpoints": [[9, 600], [20, 60],
+                                                                        [12, -1]]}, usage=True)
+    assert out["kvtier_read_tokens"] == 0  # nothing of it was cached before
+    assert out["kvtier_retention_kept"] == 20  # the whole prompt's five full blocks
+    assert out["kvtier_cache_breakpoints_kept"] == [8, 20, 0]  # to a block edge; refused: 0
+    assert "kvtier_read_tokens" not in finish_with(s, "c", [3, *LONG], None, None, usage=True)

@@ -65,6 +65,23 @@ def test_cache_options_and_a_breakpoint_become_the_connectors_retentions(
     assert params["kvtier_restored_tokens"] >= 3 * 128
 
 
+def test_usage_counts_what_a_breakpoint_wrote_and_the_next_turn_read(
+        server: VllmServer) -> None:
+    """vLLM reports reads only: the middleware rewrites a whole answer's usage from what
+    the connector says it read and kept, as OpenAI defines `cache_write_tokens`."""
+    part = [{"type": "text", "text": "Count only what is asked, exactly. " * 50,
+             "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]
+    explicit = {"prompt_cache_options": {"mode": "explicit"}}
+    first = chat(server, part, "One.", extra_body=explicit)
+    kept = first.model_extra["kv_transfer_params"]["kvtier_cache_breakpoints_kept"][0]
+    one = first.usage.prompt_tokens_details.model_dump()
+    assert one["cached_tokens"] == 0 and one["cache_write_tokens"] == kept >= 256
+    second = chat(server, part, "Two.", extra_body=explicit)
+    two = second.usage.prompt_tokens_details.model_dump()
+    assert two["cached_tokens"] >= kept and two["cache_write_tokens"] == 0
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("extra, says", [
     ({"prompt_cache_options": {"ttl": "1h"}}, "prompt_cache_options.ttl"),
     ({"prompt_cache_options": {"ttl": "30m"}, "prompt_cache_retention": "24h"},
@@ -100,6 +117,28 @@ def test_anthropics_cache_control_on_vllms_messages_route(server: VllmServer) ->
         model="default", max_tokens=4, system=RULES, cache_control={"type": "ephemeral"},
         messages=[{"role": "user", "content": "A question that ends the prompt."}])
     assert auto.model_extra["kv_transfer_params"]["kvtier_cache_breakpoints_s"] == [300]
+
+
+def test_anthropics_usage_counts_creation_and_reads_by_its_definitions(
+        server: VllmServer) -> None:
+    """vLLM's Messages endpoint reports 0 creation tokens: the middleware counts them."""
+    system = [{"type": "text", "text": "Say what you see, no more. " * 50,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+
+    def ask(user: str) -> Any:
+        return claude(server).messages.create(model="default", max_tokens=4, system=system,
+                                              messages=[{"role": "user", "content": user}])
+
+    first, second = ask("One."), ask("Two.")
+    u, v = first.usage, second.usage
+    kept = first.model_extra["kv_transfer_params"]["kvtier_cache_breakpoints_kept"][0]
+    assert u.cache_read_input_tokens == 0 and u.cache_creation_input_tokens == kept >= 256
+    assert u.cache_creation.ephemeral_1h_input_tokens == kept
+    assert u.cache_creation.ephemeral_5m_input_tokens == 0
+    assert v.cache_read_input_tokens >= kept and v.cache_creation_input_tokens == 0
+    total = [x.input_tokens + x.cache_read_input_tokens + x.cache_creation_input_tokens
+             for x in (u, v)]
+    assert total[0] == total[1] > kept  # the same prompt, its three parts adding up
 
 
 @pytest.mark.parametrize("system, says", [

@@ -96,12 +96,16 @@ class HintAnswers:
 
     def answer(self, request_id: str, asks: Mapping[str, Any] | None, tenant: str,
                keys: Sequence[BlockKey], chunks: Sequence[Sequence[int]],
-               envelope: Any = None, prompt_tokens: int = 0, groups: int = 1
-               ) -> dict[str, Any]:
+               envelope: Any = None, prompt_tokens: int = 0, groups: int = 1,
+               read_tokens: int | None = None) -> dict[str, Any]:
         """The answers to a finished request's asks and to the actions of its KV hints
         envelope (`hint_actions.py`; `prompt_tokens` and `groups` read its ranges); `keys`
         (covering `chunks`) are its full blocks, in token order, handed to the tier already
-        (stored, or still storing)."""
+        (stored, or still storing). With `read_tokens` (the prompt tokens it did not compute:
+        the engine's own prefix hit and the tier's restore), a request that asked retention
+        or breakpoints is also told what it read and how far each grant keeps the prompt
+        (`kvtier_read_tokens`, `kvtier_retention_kept`, `kvtier_cache_breakpoints_kept`):
+        the usage APIs report (`integrations/vllm/cache_usage.py`)."""
         hints = parse(asks, tenant)
         own = len(hints.prefixes)
         planned = plan(envelope, prompt_tokens, self.manager.block_size, groups)
@@ -117,6 +121,16 @@ class HintAnswers:
                                if not (hint is Hint.EXPECT_RETURN and _by_action(planned))}
         if own:
             out[BREAKPOINTS + "_s"] = [g.value for g in reply.prefixes[:own]]
+        if read_tokens is not None and (own or hints.asks(Hint.RETENTION)):
+            bs = self.manager.block_size
+            kept = min(len(chunks) // max(1, groups), prompt_tokens // bs) * bs
+            out[PREFIX + "read_tokens"] = read_tokens
+            if reply.retention is not None:
+                out[PREFIX + "retention_kept"] = kept if reply.retention.refused is None else 0
+            if own:
+                out[BREAKPOINTS + "_kept"] = [
+                    min(p.tokens // bs * bs, kept) if g.refused is None else 0
+                    for p, g in zip(hints.prefixes[:own], reply.prefixes[:own])]
         if planned:
             out[ANSWER_KEY] = {"message_id": str(getattr(envelope, "message_id", ""))[:128],
                                "actions": answers(planned, reply, own)}

@@ -9,7 +9,8 @@ mode: the whole prompt kept `ttl`; the deprecated `prompt_cache_retention: "24h"
 system or message block, or at the top level: the last block, 5m | 1h): they become the
 connector's asks in the request's
 `kv_transfer_params` (`kvtier_retention_s`, `kvtier_cache_breakpoints`: [[tokens, seconds]]),
-answered in the response's `kv_transfer_params`. A breakpoint's tokens are counted by vLLM's
+answered in the response's `kv_transfer_params`, and a whole answer's usage counted by the
+provider's definitions (`cache_usage.py`). A breakpoint's tokens are counted by vLLM's
 own `/tokenize` on the messages cut after its part, so they are the tokens vLLM's template
 makes. The fields vLLM does not know are taken out of the body; what OpenAI refuses is a 400
 in its shape, and a body this middleware cannot read goes on to vLLM untouched."""
@@ -24,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvtier.errors import RequestError
+from kvtier.integrations.vllm.cache_usage import UsageRewriter
 from kvtier.server.protocol import (
     DAY_S,
     DEFAULT_TTL,
@@ -81,7 +83,8 @@ class KvtierCacheFields:
         new = json.dumps(data).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new)).encode()))
-        await self.app({**scope, "headers": headers}, _replay(new, receive, False), send)
+        answer = send if data.get("stream") else UsageRewriter(send, anthropic)
+        await self.app({**scope, "headers": headers}, _replay(new, receive, False), answer)
 
     async def _asks(self, scope: Scope, data: dict[str, Any]) -> dict[str, Any]:
         """The connector's asks for the request's caching fields (CacheFieldError: a value

@@ -386,8 +386,9 @@ class SchedulerSide:
                   for i in range(min(st.stored, len(keys))) if self._kept(st, g, i)]
         keys, chunks = [st.group_keys[g][i] for g, i in blocks], [self._chunk(st, i)
                                                                   for _, i in blocks]
+        read = st.local_blocks * self.block_size + (0 if st.load_failed else st.restored)
         return self.hints.answer(request_id, asks, st.tenant, keys, chunks, envelope,
-                                 st.prompt_len, max(1, len(st.group_keys)))
+                                 st.prompt_len, max(1, len(st.group_keys)), read)
 
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what the tier did for it (vLLM's kv_transfer_params)."""
