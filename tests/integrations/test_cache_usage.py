@@ -8,7 +8,7 @@ import asyncio
 import json
 from typing import Any
 
-from kvtier.integrations.vllm.cache_usage import UsageRewriter, rewritten, usage_from
+from kvtier.integrations.vllm.cache_usage import Api, UsageRewriter, rewritten, usage_from
 from kvtier.server.protocol import DAY_S
 
 PARAMS = {"kvtier_read_tokens": 32, "kvtier_retention_s": 43200.0,
@@ -27,19 +27,28 @@ def test_each_grant_writes_past_what_was_read_and_kept_before_it() -> None:
 def test_openai_and_anthropic_usage_by_their_definitions() -> None:
     chat: dict[str, Any] = {"usage": {"prompt_tokens": 200, "prompt_tokens_details": None},
                             "kv_transfer_params": PARAMS}
-    assert rewritten(chat, anthropic=False)
+    assert rewritten(chat, Api.CHAT)
     assert chat["usage"]["prompt_tokens_details"] == {"cached_tokens": 32,
                                                       "cache_write_tokens": 128}
     marks = {**PARAMS, "kvtier_retention_s": 300.0, "kvtier_cache_breakpoints_s": [3600.0]}
     message: dict[str, Any] = {"usage": {"input_tokens": 190, "cache_read_input_tokens": 10,
                                          "cache_creation_input_tokens": 0},
                                "kv_transfer_params": marks}
-    assert rewritten(message, anthropic=True)
+    assert rewritten(message, Api.MESSAGES)
     assert message["usage"] == {"input_tokens": 40, "cache_read_input_tokens": 32,
                                 "cache_creation_input_tokens": 128,
                                 "cache_creation": {"ephemeral_5m_input_tokens": 64,
                                                    "ephemeral_1h_input_tokens": 64}}
-    assert not rewritten({"usage": {"prompt_tokens": 5}}, anthropic=False)
+    assert not rewritten({"usage": {"prompt_tokens": 5}}, Api.CHAT)
+    warm: dict[str, Any] = {"output": [{"type": "message"}], "kv_transfer_params": PARAMS,
+                            "usage": {"input_tokens": 200, "output_tokens": 1,
+                                      "total_tokens": 201}}
+    assert rewritten(warm, Api.RESPONSES, prewarm=True)
+    assert warm["output"] == [] and warm["usage"]["output_tokens"] == 0
+    assert warm["usage"]["total_tokens"] == 200
+    assert warm["usage"]["input_tokens_details"] == {
+        "cached_tokens": 32, "cache_write_tokens": 128,
+        "cache_write_tokens_details": {"ttl_30m_tokens": 64, "ttl_12h_tokens": 64}}
 
 
 def run(start: dict[str, Any], bodies: list[bytes]) -> list[dict[str, Any]]:
@@ -49,7 +58,7 @@ def run(start: dict[str, Any], bodies: list[bytes]) -> list[dict[str, Any]]:
         sent.append(message)
 
     async def go() -> None:
-        rewriter = UsageRewriter(send, anthropic=False)
+        rewriter = UsageRewriter(send, Api.CHAT)
         await rewriter(start)
         for i, body in enumerate(bodies):
             await rewriter({"type": "http.response.body", "body": body,

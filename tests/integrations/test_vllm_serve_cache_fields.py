@@ -82,6 +82,39 @@ def test_usage_counts_what_a_breakpoint_wrote_and_the_next_turn_read(
     assert second.usage.prompt_tokens == first.usage.prompt_tokens
 
 
+def test_the_responses_api_prewarms_and_keeps_its_breakpoints(server: VllmServer) -> None:
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    rules = "Answer from these rules alone. " * 50
+
+    def respond(user: Any, **extra: Any) -> Any:
+        return c.responses.create(model="default", instructions=rules, input=user,
+                                  max_output_tokens=4, temperature=0, **extra)
+
+    warm = respond("First.", prompt_cache_options={"prewarm": True, "ttl": "12h"})
+    assert warm.output == [] and warm.usage.output_tokens == 0  # nothing generated
+    written = warm.usage.input_tokens_details
+    assert written.cached_tokens == 0 and written.cache_write_tokens >= 256
+    assert written.cache_write_tokens_details.ttl_12h_tokens == written.cache_write_tokens
+    assert warm.model_extra["kv_transfer_params"]["kvtier_retention_s"] == 43200
+    turn = respond("First.", prompt_cache_options={"ttl": "12h"})
+    assert turn.output_text  # this one generates, reading what the prewarm wrote
+    assert turn.usage.input_tokens_details.cached_tokens >= written.cache_write_tokens
+    part = {"type": "input_text", "text": "Keep this part. " * 40,
+            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "30m"}}
+    marked = respond([{"role": "user", "content": [part, {"type": "input_text",
+                                                          "text": " Then this."}]}],
+                     prompt_cache_options={"mode": "explicit"})
+    params = marked.model_extra["kv_transfer_params"]
+    assert params["kvtier_cache_breakpoints_s"] == [1800] and "kvtier_retention_s" not in params
+    details = marked.usage.input_tokens_details
+    assert details.cache_write_tokens == details.cache_write_tokens_details.ttl_30m_tokens
+    assert details.cache_write_tokens + details.cached_tokens == \
+        params["kvtier_cache_breakpoints_kept"][0]
+    with pytest.raises(openai.BadRequestError) as e:
+        respond("x", stream=True, prompt_cache_options={"prewarm": True})
+    assert "answered whole" in str(e.value)
+
+
 @pytest.mark.parametrize("extra, says", [
     ({"prompt_cache_options": {"ttl": "1h"}}, "prompt_cache_options.ttl"),
     ({"prompt_cache_options": {"ttl": "30m"}, "prompt_cache_retention": "24h"},

@@ -5,13 +5,15 @@ What kvtier's connector says it read and how far each grant keeps the prompt
 (`kvtier_read_tokens`, `kvtier_retention_kept`, `kvtier_cache_breakpoints_kept` in the
 answer's `kv_transfer_params`) becomes OpenAI's `cached_tokens` and `cache_write_tokens`,
 and Anthropic's `cache_read_input_tokens`, `cache_creation_input_tokens` (split by ttl) and
-`input_tokens`, counted as `kvtier serve` counts them (`server/prompt_cache.kept_usage`).
+`input_tokens`, counted as `kvtier serve` counts them (`server/prompt_cache.kept_usage`);
+a Responses prewarm's answer loses the one token the engine had to sample.
 
 Whole answers only: a streamed one goes on as vLLM wrote it (its chunks carry no
 `kv_transfer_params` to read the grants from)."""
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 from kvtier.server.prompt_cache import CacheUsage, kept_usage
 from kvtier.server.protocol import DAY_S, TTL_S
 from kvtier.server.protocol_messages import CACHE_TTL_S
+from kvtier.server.shapes_responses import TTL_FIELDS as RESPONSES_TTL_FIELDS
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -27,6 +30,14 @@ Send = Callable[[Message], Awaitable[None]]
 OPENAI_LABELS = {**{s: ttl for ttl, s in TTL_S.items()}, DAY_S: "24h"}
 ANTHROPIC_LABELS = {s: ttl for ttl, s in CACHE_TTL_S.items()}
 TTL_FIELDS = {"5m": "ephemeral_5m_input_tokens", "1h": "ephemeral_1h_input_tokens"}
+
+
+class Api(enum.Enum):
+    """Whose answer it is: its usage's shape."""
+
+    CHAT = "chat"  # OpenAI's Chat Completions and Completions
+    RESPONSES = "responses"  # OpenAI's Responses API
+    MESSAGES = "messages"  # Anthropic's Messages API
 
 
 def usage_from(params: Any, labels: dict[float, str]) -> CacheUsage | None:
@@ -49,15 +60,27 @@ def usage_from(params: Any, labels: dict[float, str]) -> CacheUsage | None:
     return kept_usage(read, kept)
 
 
-def rewritten(body: dict[str, Any], anthropic: bool) -> bool:
-    """`body` (a whole answer) with its usage by the API's definitions; False where it has
-    nothing to rewrite by."""
+def rewritten(body: dict[str, Any], api: Api, prewarm: bool = False) -> bool:
+    """`body` (a whole answer) with its usage by the API's definitions, and for a prewarm
+    (Responses) no output; False where it has nothing to rewrite by."""
     usage = body.get("usage")
     cache = usage_from(body.get("kv_transfer_params"),
-                       ANTHROPIC_LABELS if anthropic else OPENAI_LABELS)
+                       ANTHROPIC_LABELS if api is Api.MESSAGES else OPENAI_LABELS)
     if cache is None or not isinstance(usage, dict):
         return False
-    if anthropic:
+    if api is Api.RESPONSES:
+        details = usage.get("input_tokens_details")
+        usage["input_tokens_details"] = {
+            **(details if isinstance(details, dict) else {}), "cached_tokens": cache.read,
+            "cache_write_tokens": cache.written,
+            "cache_write_tokens_details": {name: cache.written_by_ttl.get(ttl, 0)
+                                           for ttl, name in RESPONSES_TTL_FIELDS.items()}}
+        if prewarm:  # the one token the engine sampled is never shown
+            body["output"] = []
+            usage["output_tokens"] = 0
+            usage["total_tokens"] = usage.get("input_tokens", 0)
+        return True
+    if api is Api.MESSAGES:
         prompt = sum(int(usage.get(k) or 0) for k in (
             "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
         usage.update({"input_tokens": max(0, prompt - cache.read - cache.written),
@@ -78,9 +101,10 @@ class UsageRewriter:
     (`rewritten`) and sends it with its new length; anything else (a stream, an error, a
     body that is no JSON object) goes on untouched."""
 
-    def __init__(self, send: Send, anthropic: bool) -> None:
+    def __init__(self, send: Send, api: Api, prewarm: bool = False) -> None:
         self.send = send
-        self.anthropic = anthropic
+        self.api = api
+        self.prewarm = prewarm
         self._start: Message | None = None
         self._body = bytearray()
         self._passing = False
@@ -114,7 +138,7 @@ class UsageRewriter:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
             data = None
-        if isinstance(data, dict) and rewritten(data, self.anthropic):
+        if isinstance(data, dict) and rewritten(data, self.api, self.prewarm):
             body = json.dumps(data).encode()
         headers = [(k, v) for k, v in self._start.get("headers", [])
                    if k.lower() != b"content-length"]

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvtier.errors import RequestError
-from kvtier.integrations.vllm.cache_usage import UsageRewriter
+from kvtier.integrations.vllm.cache_usage import Api, UsageRewriter
 from kvtier.server.protocol import (
     DAY_S,
     DEFAULT_TTL,
@@ -35,6 +35,7 @@ from kvtier.server.protocol import (
     check_breakpoints,
 )
 from kvtier.server.protocol_messages import CACHE_TTL_S, CacheControl, check_controls
+from kvtier.server.protocol_responses import ResponsesCacheOptions
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -43,6 +44,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
+RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"  # Anthropic's, which vLLM serves too
 FIELDS = ("prompt_cache_options", "prompt_cache_retention")
 MAX_BODY = 64 << 20  # larger bodies go on untouched (vLLM bounds them itself)
@@ -61,35 +63,43 @@ class KvtierCacheFields:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
         if scope.get("type") != "http" or scope.get("method") != "POST" or \
-                path not in (*PATHS, MESSAGES):
+                path not in (*PATHS, RESPONSES, MESSAGES):
             await self.app(scope, receive, send)
             return
-        anthropic = path == MESSAGES
+        api = Api.MESSAGES if path == MESSAGES else Api.RESPONSES if path == RESPONSES \
+            else Api.CHAT
+        anthropic = api is Api.MESSAGES
         body, more = await _read(receive)
         data = _json(body) if not more else None
         if not isinstance(data, dict) or not (_asks_cache_control(data) if anthropic
-                                              else _asks_cache(data)):
+                                              else _asks_cache(data, api)):
             await self.app(scope, _replay(body, receive, more), send)
             return
+        prewarm = False
         try:
-            asks = await (self._cache_control(scope, data) if anthropic
-                          else self._asks(scope, data))
+            if anthropic:
+                asks = await self._cache_control(scope, data)
+            else:
+                asks = await self._asks(scope, data, api)
+                prewarm = _prewarm(data, api)
         except CacheFieldError as e:
             await _error(send, str(e), anthropic)
             return
         _strip(data)
+        if prewarm:  # the prompt is computed and written; the one token sampled is hidden
+            data["max_output_tokens"] = 1
         params = data.get("kv_transfer_params")
         data["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), **asks}
         new = json.dumps(data).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new)).encode()))
-        answer = send if data.get("stream") else UsageRewriter(send, anthropic)
+        answer = send if data.get("stream") else UsageRewriter(send, api, prewarm)
         await self.app({**scope, "headers": headers}, _replay(new, receive, False), answer)
 
-    async def _asks(self, scope: Scope, data: dict[str, Any]) -> dict[str, Any]:
+    async def _asks(self, scope: Scope, data: dict[str, Any], api: Api) -> dict[str, Any]:
         """The connector's asks for the request's caching fields (CacheFieldError: a value
         OpenAI refuses)."""
-        options = _options(data.get("prompt_cache_options"))
+        options = _options(data.get("prompt_cache_options"), api)
         retention = data.get("prompt_cache_retention")
         if retention not in (None, "in_memory", "24h"):
             raise CacheFieldError("prompt_cache_retention: must be 'in_memory' or '24h'")
@@ -103,23 +113,29 @@ class KvtierCacheFields:
             asks["kvtier_retention_s"] = DAY_S
         elif options is not None and options.mode == "implicit":
             asks["kvtier_retention_s"] = ttl  # the implicit breakpoint: the whole prompt
-        marks = _marks(data.get("messages"))
+        responses = api is Api.RESPONSES
+        marks = _marks(_input(data) if responses else data.get("messages"),
+                       "input" if responses else "messages")
         if marks:
-            asks["kvtier_cache_breakpoints"] = await self._breakpoints(scope, data, marks, ttl)
+            chat = _responses_chat(data) if responses else data["messages"]
+            shift = len(chat) - len(_input(data)) if responses else 0  # the instructions
+            asks["kvtier_cache_breakpoints"] = await self._breakpoints(
+                scope, data.get("model"), chat, [(i + shift, j, m) for i, j, m in marks], ttl)
         return asks
 
-    async def _breakpoints(self, scope: Scope, data: dict[str, Any],
+    async def _breakpoints(self, scope: Scope, model: Any, chat: list[Any],
                            marks: list[tuple[int, int, PromptCacheBreakpoint]], ttl: float
                            ) -> list[list[float]]:
         """[[tokens, seconds]] per breakpoint: the tokens vLLM's template makes of the
-        messages up to the end of its part, as far as they agree with the whole prompt's."""
-        messages = _stripped(data["messages"])
-        whole = await self._tokenize(scope, {"model": data.get("model"), "messages": messages,
+        messages (`chat`, as vLLM renders the request) up to the end of its part, as far as
+        they agree with the whole prompt's."""
+        messages = _stripped(chat)
+        whole = await self._tokenize(scope, {"model": model, "messages": messages,
                                              "add_generation_prompt": True})
         out = []
         for i, j, mark in marks:
             cut = [*messages[:i], {**messages[i], "content": messages[i]["content"][:j + 1]}]
-            head = await self._tokenize(scope, {"model": data.get("model"), "messages": cut,
+            head = await self._tokenize(scope, {"model": model, "messages": cut,
                                                 "add_generation_prompt": False,
                                                 "continue_final_message": True})
             out.append([_common(head, whole), TTL_S[mark.ttl] if mark.ttl else ttl])
@@ -258,23 +274,66 @@ def _as_chat(data: dict[str, Any], cut: Where | None = None) -> list[dict[str, A
     return out
 
 
-def _asks_cache(data: dict[str, Any]) -> bool:
-    return any(data.get(f) is not None for f in FIELDS) or bool(_has_marks(data))
+def _asks_cache(data: dict[str, Any], api: Api) -> bool:
+    messages = _input(data) if api is Api.RESPONSES else data.get("messages")
+    return any(data.get(f) is not None for f in FIELDS) or _has_marks(messages)
 
 
-def _has_marks(data: dict[str, Any]) -> bool:
-    messages = data.get("messages")
+def _input(data: dict[str, Any]) -> list[Any]:
+    """A Responses request's input items (a string input has none)."""
+    items = data.get("input")
+    return items if isinstance(items, list) else []
+
+
+def _responses_chat(data: dict[str, Any]) -> list[Any]:
+    """The chat messages vLLM renders a Responses request as (its instructions a system
+    message, each input message one message); CacheFieldError where the input holds items
+    that are no message (a breakpoint's place in the prompt would be a guess)."""
+    items = _input(data)
+    if any(not isinstance(m, dict) or m.get("type", "message") != "message" or
+           "role" not in m for m in items):
+        raise CacheFieldError("input: a prompt_cache_breakpoint is placed among message items "
+                              "only under vllm serve; this input holds other items")
+    instructions = data.get("instructions")
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    return [*system, *({"role": m["role"], "content": _as_text_parts(m.get("content"))}
+                       for m in items)]
+
+
+def _as_text_parts(content: Any) -> Any:
+    """A Responses message's `input_text` / `output_text` parts as chat's text parts (what
+    vLLM's renderer reads them as; its /tokenize takes chat's only)."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": "text", "text": p.get("text") or ""}
+            if isinstance(p, dict) and p.get("type") in ("input_text", "output_text") else p
+            for p in content]
+
+
+def _prewarm(data: dict[str, Any], api: Api) -> bool:
+    """Whether a Responses request asks for a prewarm (CacheFieldError: streamed, which
+    this middleware cannot answer without output)."""
+    options = data.get("prompt_cache_options")
+    asked = api is Api.RESPONSES and isinstance(options, dict) and options.get("prewarm") is True
+    if asked and data.get("stream"):
+        raise CacheFieldError("prompt_cache_options.prewarm: under vllm serve a prewarm is "
+                              "answered whole; send it without stream")
+    return asked
+
+
+def _has_marks(messages: Any) -> bool:
     return isinstance(messages, list) and any(
         isinstance(m, dict) and isinstance(m.get("content"), list)
         and any(isinstance(p, dict) and "prompt_cache_breakpoint" in p for p in m["content"])
         for m in messages)
 
 
-def _options(raw: Any) -> PromptCacheOptions | None:
+def _options(raw: Any, api: Api) -> PromptCacheOptions | None:
     if raw is None:
         return None
+    kind = ResponsesCacheOptions if api is Api.RESPONSES else PromptCacheOptions
     try:
-        return PromptCacheOptions.model_validate(raw)
+        return kind.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -282,8 +341,9 @@ def _options(raw: Any) -> PromptCacheOptions | None:
                               f"{first['msg']}") from None
 
 
-def _marks(messages: Any) -> list[tuple[int, int, PromptCacheBreakpoint]]:
-    """(message, part, breakpoint) of each marked content part, in prompt order."""
+def _marks(messages: Any, field: str) -> list[tuple[int, int, PromptCacheBreakpoint]]:
+    """(message, part, breakpoint) of each marked content part, in prompt order (`field`:
+    where the messages are, for what a refusal names)."""
     if not isinstance(messages, list):
         return []
     out = []
@@ -296,7 +356,7 @@ def _marks(messages: Any) -> list[tuple[int, int, PromptCacheBreakpoint]]:
                 except ValidationError as e:
                     first = e.errors()[0]
                     where = ".".join(str(p) for p in first["loc"])
-                    raise CacheFieldError(f"messages.{i}.content.{j}.prompt_cache_breakpoint"
+                    raise CacheFieldError(f"{field}.{i}.content.{j}.prompt_cache_breakpoint"
                                           f"{'.' + where if where else ''}: {first['msg']}"
                                           ) from None
                 out.append((i, j, mark))
@@ -319,8 +379,9 @@ def _strip(data: dict[str, Any]) -> None:
     """The caching fields and marks vLLM does not know, out of the body."""
     for f in (*FIELDS, "cache_control"):
         data.pop(f, None)
-    if isinstance(data.get("messages"), list):
-        data["messages"] = _stripped(data["messages"])
+    for key in ("messages", "input"):
+        if isinstance(data.get(key), list):
+            data[key] = _stripped(data[key])
     for holder in [data.get("system"), *[m.get("content") for m in data.get("messages") or []
                                           if isinstance(m, dict)]]:
         for b in _blocks(holder):
