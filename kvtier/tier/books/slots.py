@@ -341,6 +341,10 @@ class SlotTier:
             if self._pins[key] == 0:
                 del self._pins[key]
 
+    def storing(self, key: BlockKey) -> bool:
+        """Whether `key`'s copy into this tier is still on its way."""
+        return key in self._storing
+
     def has(self, key: BlockKey, tokens: Sequence[int]) -> bool:
         """Whether `key` is stored, visible and holds these token ids: a probe among many
         candidates (a breakpoint's part of a block), not counted as a lookup."""
