@@ -123,9 +123,11 @@ class HintReply:
 @dataclass(frozen=True)
 class Purged:
     """What a purge of a prefix's blocks did in each tier: the device's free cached copies
-    and the host's dropped, the copies a request or a job still uses kept (ask again once
-    they finish), and below host the copies erased per medium (a shared store: the keys it
-    was told to delete) and those a store failed to erase."""
+    and the host's dropped; the device's copies a running request uses kept (ask again once
+    it finishes); the host's copies a job holds (landing, or being read) dropped as soon as
+    it is done and never written below (`host_in_use`); below host the copies erased per
+    medium (a shared store: the keys it was told to delete, a local tier's write still on
+    its way erased once there) and those a store failed to erase."""
 
     device_blocks: int = 0
     device_in_use: int = 0

@@ -78,6 +78,7 @@ class BelowHost:
         self.block_bytes = block_bytes  # bytes of one block as the tiers below store it
         self.encoding = encoding  # "" exact, or the lossy encoding of every block below host
         self.jobs: dict[int, _Pending] = {}
+        self._purged_landing: set[BlockKey] = set()  # purged while written to a local tier
         self.held: dict[str, list[BlockKey]] = {}  # request -> fetched keys pinned on host
         self._outbox: list[Job] = []
         self._ids = ids
@@ -190,18 +191,29 @@ class BelowHost:
         out: dict[Medium, int] = {}
         for tier in self.tiers:
             if isinstance(tier, SlotTier):
-                held = {k: tier.slot_of(k) for k in keys if tier.lookup([k]) == 1}
-                tier.remove(list(held))
-                gone = [k for k in held if tier.lookup([k]) == 0]  # a pinned one stays
-                erase, slots = gone, [held[k] for k in gone]
+                out[tier.medium] = self._erase_slots(tier, keys)
+                # a write still on its way is erased when it lands (`finish`)
+                self._purged_landing.update(k for k in keys if tier.storing(k))
             else:
-                erase, slots = keys, [-1] * len(keys)
-            out[tier.medium] = len(erase)
-            if erase:
-                self._add(_Pending(Job(next(self._ids), Medium.HOST, tier.medium, (),
-                                       keys=tuple(erase), media=(tier.medium,) * len(erase),
-                                       below_slots=tuple(slots), erase=True)))
+                out[tier.medium] = len(keys)
+                self._erase(tier.medium, keys, [-1] * len(keys))
         return out
+
+    def _erase_slots(self, tier: SlotTier, keys: Sequence[BlockKey]) -> int:
+        """`keys`' copies on a local tier leave its books and their slots are erased (a
+        pinned one stays); how many."""
+        held = {k: tier.slot_of(k) for k in keys if tier.lookup([k]) == 1}
+        tier.remove(list(held))
+        gone = [k for k in held if tier.lookup([k]) == 0]
+        self._erase(tier.medium, gone, [held[k] for k in gone])
+        return len(gone)
+
+    def _erase(self, medium: Medium, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """The erase job of `keys` on `medium` (their slots, or -1 for a store's keys)."""
+        if keys:
+            self._add(_Pending(Job(next(self._ids), Medium.HOST, medium, (), keys=tuple(keys),
+                                   media=(medium,) * len(keys), below_slots=tuple(slots),
+                                   erase=True)))
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
@@ -349,6 +361,10 @@ class BelowHost:
             for keys, ok in ((good, True), (bad_keys, False)):
                 if keys:
                     tier.complete_store(keys, ok)
+            landed = [k for k in t.keys if k in self._purged_landing]
+            if landed and isinstance(tier, SlotTier):  # purged while written: erased now
+                self._purged_landing.difference_update(landed)
+                self._erase_slots(tier, landed)
             self.stats.written[t.dst.value] += len(good)
             self.stats.written_bytes[t.dst.value] += outcome.nbytes
             self.stats.write_failures[t.dst.value] += len(bad_keys)

@@ -83,7 +83,9 @@ class TierManager:
         self._pending: dict[int, PendingTransfer] = {}
         self._outbox: list[Job] = []
         self._requests: dict[str, RequestBooks] = {}
-        self._purged_landing: set[BlockKey] = set()  # purged while their store was running
+        # purged while a job held them (landing, or read by a load or a write below):
+        # dropped from host as soon as it lets go, never written below
+        self._purge_when_free: set[BlockKey] = set()
         self._residency = residency if residency is not None else ResidencyLog(enabled=False)
         self.returns = ExpectedReturns()  # sessions a client said come back (expect)
         self.fetch_up = FetchUp(config, planner, below, self.load_policy, block_size,
@@ -386,10 +388,10 @@ class TierManager:
         keys = list(dict.fromkeys(keys))
         present = [k for k in keys if self.host.lookup([k]) == 1]
         dropped = self.host.remove(present)
-        # a copy still on its way into host is dropped when it lands, never written below
-        landing = [k for k in keys if self.host.storing(k)]
-        self._purged_landing.update(landing)
-        return Purged(host_blocks=dropped + len(landing), host_in_use=len(present) - dropped,
+        # a copy a job holds (still landing, or being read) goes as soon as the job is done
+        busy = [k for k in keys if self.host.storing(k) or self.host.present(k)]
+        self._purge_when_free.update(busy)
+        return Purged(host_blocks=dropped, host_in_use=len(busy),
                       below=self.below.purge(keys))
 
     def purge_tenant(self, tenant: str) -> tuple[Purged, list[BlockKey]]:
@@ -466,7 +468,17 @@ class TierManager:
                     self.finished(done.request_id)
                     continue
                 events.append(done)
+        if self._purge_when_free:
+            self._drop_purged()
         return events
+
+    def _drop_purged(self) -> None:
+        """Drop the purged copies the jobs holding them let go of."""
+        for key in list(self._purge_when_free):
+            if self.host.storing(key) or (self.host.present(key) and
+                                          self.host.remove([key]) == 0):
+                continue  # still held
+            self._purge_when_free.discard(key)
 
     def _fetched(self, done: FetchDone, result: Result) -> None:
         state = self._requests.get(done.request_id)
@@ -496,16 +508,12 @@ class TierManager:
         nbytes = job.num_blocks * self.block_bytes
         if job.dst is Medium.HOST:
             self.host.complete_store(pending.keys, ok)
-            purged = [k for k in pending.keys if k in self._purged_landing]
-            if purged:  # purged while on its way: dropped now, never written below
-                self._purged_landing.difference_update(purged)
-                self.host.remove(purged)
             if ok:
                 self.stats.stored_blocks += len(pending.keys)
                 self.stats.stored_bytes += nbytes
                 # The second hop: host -> each tier below (none: nothing happens).
                 self.below.host_stored([k for k in pending.keys if not is_swap_key(k)
-                                        and k not in purged])
+                                        and k not in self._purge_when_free])
             else:
                 self.stats.failed_stores += 1
             return StoreDone(job.id, job.device_blocks, ok, pending.demote, pending.evict_first)

@@ -341,6 +341,10 @@ class SlotTier:
             if self._pins[key] == 0:
                 del self._pins[key]
 
+    def present(self, key: BlockKey) -> bool:
+        """Whether `key` is stored and visible (a probe, not counted as a lookup)."""
+        return key in self._entries and key not in self._storing
+
     def storing(self, key: BlockKey) -> bool:
         """Whether `key`'s copy into this tier is still on its way."""
         return key in self._storing
