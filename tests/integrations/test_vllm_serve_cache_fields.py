@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from vllm_run import VllmServer
@@ -190,3 +191,34 @@ def test_what_anthropic_refuses_is_a_400_in_its_shape(server: VllmServer, system
                                        messages=[{"role": "user", "content": "Hello."}])
     assert says in str(e.value)
     assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("purge", [True, False])
+def test_a_prompt_purged_through_the_middleware_leaves_kvtiers_tiers(server: VllmServer,
+                                                                      purge: bool) -> None:
+    """DELETE /v1/kv as kvtier serve takes it: the prompt runs once with kvtier_purge, and
+    its blocks leave host: once vLLM's own cache is flooded nothing of it is restored
+    (unpurged, the same prompt comes back from host)."""
+    rng = random.Random(99 if purge else 98)
+    prompt = [rng.randrange(100, 49000) for _ in range(640)]  # five blocks of 128
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    c.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0)
+    if purge:
+        r = httpx.request("DELETE", f"{server.url}/v1/kv", timeout=120,
+                          json={"model": "default", "prompt": prompt})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["object"] == "kv.purge" and out["blocks"] == 5
+        assert out["host_blocks"] + out["host_in_use"] == 5
+    for seed in range(3):  # vLLM's 24 blocks flooded; kvtier's 45 on host keep the rest
+        flood = random.Random(seed + 100)
+        c.completions.create(model="default", max_tokens=1, temperature=0,
+                             prompt=[flood.randrange(100, 49000) for _ in range(1024)])
+    back = c.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0)
+    assert back.model_extra["kv_transfer_params"]["kvtier_residency"] == \
+        ("none" if purge else "host")
+
+
+def test_a_purge_without_a_prompt_is_refused(server: VllmServer) -> None:
+    bad = httpx.request("DELETE", f"{server.url}/v1/kv", timeout=30, json={})
+    assert bad.status_code == 400 and "exactly one of" in bad.json()["error"]["message"]

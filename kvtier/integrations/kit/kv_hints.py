@@ -9,6 +9,8 @@ params (vLLM's `kv_transfer_params`), answered in the params the request ends wi
   kvtier_cache_breakpoints: [[T, N], ...]   cache breakpoints (at most 4): the prompt's first
                                T tokens kept N seconds each (-> kvtier_cache_breakpoints_s:
                                [N or "refused:<reason>", ...], in order)
+  kvtier_purge: true           when it ends, its blocks are erased from host and every tier
+                               below (-> {"blocks", "host_blocks", "host_in_use", "erased"})
 
 vLLM's typed KV hints (`Request.kv_hints`, an envelope of versioned actions) are read by
 `hint_actions.py` and answered under `kvtier_kv_hints`, one answer per action.
@@ -121,6 +123,8 @@ class HintAnswers:
                                if not (hint is Hint.EXPECT_RETURN and _by_action(planned))}
         if own:
             out[BREAKPOINTS + "_s"] = [g.value for g in reply.prefixes[:own]]
+        if asks is not None and asks.get(PREFIX + "purge") is True:
+            out[PREFIX + "purge"] = self._purge(keys)
         if read_tokens is not None and (own or hints.asks(Hint.RETENTION)):
             bs = self.manager.block_size
             kept = min(len(chunks) // max(1, groups), prompt_tokens // bs) * bs
@@ -135,6 +139,16 @@ class HintAnswers:
             out[ANSWER_KEY] = {"message_id": str(getattr(envelope, "message_id", ""))[:128],
                                "actions": answers(planned, reply, own)}
         return out
+
+
+    def _purge(self, keys: Sequence[BlockKey]) -> dict[str, Any]:
+        """`kvtier_purge: true`: the request's blocks (its namespace's, every group's) erased
+        from host and every tier below, as `DELETE /v1/kv` erases them in kvtier serve; the
+        engine's own device cache is the engine's."""
+        purged = self.manager.purge(keys)
+        return {"blocks": len(set(keys)), "host_blocks": purged.host_blocks,
+                "host_in_use": purged.host_in_use,
+                "erased": {m.value: n for m, n in purged.below.items()}}
 
 
 def _by_action(planned: Sequence[Planned]) -> bool:

@@ -13,7 +13,10 @@ answered in the response's `kv_transfer_params`, and a whole answer's usage coun
 provider's definitions (`cache_usage.py`). A breakpoint's tokens are counted by vLLM's
 own `/tokenize` on the messages cut after its part, so they are the tokens vLLM's template
 makes. The fields vLLM does not know are taken out of the body; what OpenAI refuses is a 400
-in its shape, and a body this middleware cannot read goes on to vLLM untouched."""
+in its shape, and a body this middleware cannot read goes on to vLLM untouched.
+
+`DELETE /v1/kv` purges a prompt's blocks from kvtier's tiers as `kvtier serve` does, through
+the connector's `kvtier_purge` ask."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PATHS = ("/v1/chat/completions", "/v1/completions")
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"  # Anthropic's, which vLLM serves too
+KV = "/v1/kv"  # DELETE: a prompt's KV purged from every tier below vLLM's GPU
 FIELDS = ("prompt_cache_options", "prompt_cache_retention")
 MAX_BODY = 64 << 20  # larger bodies go on untouched (vLLM bounds them itself)
 
@@ -62,6 +66,9 @@ class KvtierCacheFields:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
+        if scope.get("type") == "http" and scope.get("method") == "DELETE" and path == KV:
+            await self._purge(scope, receive, send)
+            return
         if scope.get("type") != "http" or scope.get("method") != "POST" or \
                 path not in (*PATHS, RESPONSES, MESSAGES):
             await self.app(scope, receive, send)
@@ -160,13 +167,25 @@ class KvtierCacheFields:
     async def _tokenize(self, scope: Scope, body: dict[str, Any]) -> list[int]:
         """vLLM's own POST /tokenize, called in process (the caller's headers kept: its
         API key)."""
+        status, answer = await self._call(scope, "/tokenize", body)
+        if status != 200 or not isinstance(answer, dict) or \
+                not isinstance(answer.get("tokens"), list):
+            message = answer.get("error", {}).get("message") if isinstance(answer, dict) \
+                and isinstance(answer.get("error"), dict) else None
+            raise CacheFieldError(f"the messages could not be tokenized to place their cache "
+                                  f"breakpoints ({message or f'status {status}'})")
+        return [int(t) for t in answer["tokens"]]
+
+    async def _call(self, scope: Scope, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST `body` to vLLM's own `path`, in process (the caller's headers kept: its API
+        key): the status and the JSON answer (None if it is none)."""
         raw = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", [])
                    if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"),
                     (b"content-length", str(len(raw)).encode())]
-        inner = {**scope, "path": "/tokenize", "raw_path": b"/tokenize", "query_string": b"",
-                 "headers": headers}
+        inner = {**scope, "method": "POST", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "headers": headers}
         status, chunks = 500, []
 
         async def collect(message: Message) -> None:
@@ -177,14 +196,38 @@ class KvtierCacheFields:
                 chunks.append(bytes(message.get("body", b"")))
 
         await self.app(inner, _replay(raw, _never, False), collect)
-        answer = _json(b"".join(chunks))
-        if status != 200 or not isinstance(answer, dict) or \
-                not isinstance(answer.get("tokens"), list):
-            message = answer.get("error", {}).get("message") if isinstance(answer, dict) \
-                and isinstance(answer.get("error"), dict) else None
-            raise CacheFieldError(f"the messages could not be tokenized to place their cache "
-                                  f"breakpoints ({message or f'status {status}'})")
-        return [int(t) for t in answer["tokens"]]
+        return status, _json(b"".join(chunks))
+
+    async def _purge(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`DELETE /v1/kv` as `kvtier serve` takes it (a `prompt`, text or token ids, or
+        chat `messages`; `cache_salt`): the prompt runs once with `kvtier_purge`, and the
+        connector erases its blocks from host and every tier below when it ends. vLLM's own
+        GPU prefix cache keeps its copy (vLLM's `reset_prefix_cache` clears it)."""
+        body, more = await _read(receive)
+        data = _json(body) if not more else None
+        if not isinstance(data, dict) or \
+                (data.get("prompt") is None) == (data.get("messages") is None):
+            await _error(send, "name the prompt as exactly one of 'prompt' (text or token "
+                               "ids) and 'messages'")
+            return
+        ask: dict[str, Any] = {"max_tokens": 1, "kv_transfer_params": {"kvtier_purge": True},
+                               **{k: data[k] for k in ("model", "cache_salt") if k in data}}
+        if data.get("messages") is not None:
+            path, ask["messages"] = "/v1/chat/completions", data["messages"]
+        else:
+            path, ask["prompt"] = "/v1/completions", data["prompt"]
+        status, answer = await self._call(scope, path, ask)
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        done = params.get("kvtier_purge") if isinstance(params, dict) else None
+        if status != 200 or not isinstance(done, dict):
+            error = answer if status != 200 and isinstance(answer, dict) else {"error": {
+                "message": "the KV connector did not answer the purge: is kvtier's "
+                           "connector configured?", "type": "server_error"}}
+            raw = json.dumps(error).encode()
+            await _send_json(send, status if status != 200 else 501, raw)
+            return
+        raw = json.dumps({"object": "kv.purge", "model": answer.get("model"), **done}).encode()
+        await _send_json(send, 200, raw)
 
 
 def _common(head: list[int], whole: list[int]) -> int:
@@ -435,7 +478,11 @@ async def _error(send: Send, message: str, anthropic: bool = False) -> None:
     error = {"message": message, "type": "invalid_request_error"}
     body = json.dumps({"type": "error", "error": error} if anthropic else
                       {"error": {**error, "param": None, "code": None}}).encode()
-    await send({"type": "http.response.start", "status": 400,
+    await _send_json(send, 400, body)
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
