@@ -18,7 +18,7 @@ MANAGER_FACE = frozenset({
     "report", "decide", "observe_prefill", "wait_presence", "busy", "below_host",
     "host_slots", "holds", "write_down_host", "config", "block_size", "block_bytes", "lossy",
     "close", "take_residency_changes", "reset", "prefetch", "answer", "retain",
-    "expect", "stage_returns", "purge",
+    "expect", "stage_returns", "purge", "purge_tenant",
 })
 # kvtier/tier/worker.py's docstring
 WORKER_FACE = frozenset({

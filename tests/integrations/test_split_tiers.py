@@ -203,7 +203,9 @@ def test_a_later_retention_reaches_the_ttl_of_blocks_already_in_redis(
     assert a.matched("b", PROMPT) == 12
     a.side.allocated("b", [[5, 6, 7, 8]], 12)
     a.step([Scheduled("b", [[5, 6, 7, 8]], 14)])
-    assert a.side.answer("b", {"kvtier_retention_s": 3600}) == {"kvtier_retention_s": 3600.0}
+    answer = a.side.answer("b", {"kvtier_retention_s": 3600})
+    assert answer["kvtier_retention_s"] == 3600.0
+    assert answer["kvtier_read_tokens"] == answer["kvtier_retention_kept"] == 12  # all read
     a.side.finished("b")
     a.settle()
     with redis_server.client() as client:

@@ -20,8 +20,10 @@ Primitives, in the order a client calls them:
                                     manager's own, no event reaches the client)
   reset()                           the client's keys move to a new identity (its engine's
                                     weights may have changed): drop every unpinned host block
-  purge(keys) -> Purged             a client's purge: out of host now, erased below host by
-                                    jobs (a disk slot overwritten, a file or key deleted)
+  purge(keys) -> Purged             a client's purge: out of host now (a copy a job holds
+                                    once it lets go), erased below host by jobs (a disk slot
+                                    overwritten, a file or key deleted)
+  purge_tenant(tenant)              the same for every block a tenant owns (-> Purged, keys)
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
 and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
