@@ -157,9 +157,9 @@ class LLMEngine:
         full blocks and every part of a block a cache breakpoint inside it could have kept
         (one key per prompt token in all), the device's free cached copies and the host's
         now, the copies below host erased (a disk slot overwritten, a file or a key deleted)
-        before this returns. A copy a running request or a job still uses stays (counted
-        `_in_use`: ask again when it is done). RequestError for a prompt no request could
-        send."""
+        before this returns. A device copy a running request uses stays (`device_in_use`:
+        ask again when it is done); a copy a job holds goes once the job is done
+        (`host_in_use`). RequestError for a prompt no request could send."""
         _, token_ids = self._checked_prompt(prompt)
         bs = self.scheduler.block_size
         namespace = self.namespace(cache_salt)

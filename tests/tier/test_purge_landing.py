@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from test_retained_fetch import CHUNKS, KEYS, NBYTES, manager
 
-from kvtier.tier.books.manager import TierManager
+from kvtier.tier.books.manager import FETCHING, TierManager
 from kvtier.tier.jobs import Result
 from kvtier.tier.keys import Medium
 
@@ -51,6 +51,24 @@ def test_a_block_purged_while_written_to_disk_is_erased_once_there() -> None:
     answer(m)  # the writes land: their slots are erased at once, the host copies dropped
     assert m.host.lookup(KEYS[:4]) == 0
     answer(m)  # the erase lands
+    assert not any(m.below.holds(k) for k in KEYS[:4])
+    below = m.report().below
+    assert below is not None and below.erased_blocks == {"disk": 4}
+
+
+def test_a_block_purged_while_fetched_up_from_disk_leaves_both_tiers() -> None:
+    m = manager()
+    m.store([0, 1, 2, 3], KEYS[:4], CHUNKS[:4], tenant="a")
+    answer(m)
+    answer(m)  # on host and on disk
+    m.host.remove(KEYS[:4])  # pushed down: only the disk has them
+    assert m.match("x", KEYS[:4], CHUNKS[:4]) is FETCHING  # the fetch reads the disk copies
+    purged = m.purge(KEYS[:4])
+    assert purged.host_in_use == 4 and purged.below == {Medium.DISK: 0}  # all held by it
+    answer(m)  # the fetch lands: host drops its copies, the disk slots are erased
+    answer(m)  # the erase lands
+    m.finished("x")
+    assert m.host.lookup(KEYS[:4]) == 0
     assert not any(m.below.holds(k) for k in KEYS[:4])
     below = m.report().below
     assert below is not None and below.erased_blocks == {"disk": 4}

@@ -78,7 +78,9 @@ class BelowHost:
         self.block_bytes = block_bytes  # bytes of one block as the tiers below store it
         self.encoding = encoding  # "" exact, or the lossy encoding of every block below host
         self.jobs: dict[int, _Pending] = {}
-        self._purged_landing: set[BlockKey] = set()  # purged while written to a local tier
+        # purged while a job held their copy on a local tier (a write on its way, a fetch
+        # reading it): erased there once the job lets go
+        self._erase_when_free: set[BlockKey] = set()
         self.held: dict[str, list[BlockKey]] = {}  # request -> fetched keys pinned on host
         self._outbox: list[Job] = []
         self._ids = ids
@@ -192,8 +194,8 @@ class BelowHost:
         for tier in self.tiers:
             if isinstance(tier, SlotTier):
                 out[tier.medium] = self._erase_slots(tier, keys)
-                # a write still on its way is erased when it lands (`finish`)
-                self._purged_landing.update(k for k in keys if tier.storing(k))
+                self._erase_when_free.update(k for k in keys
+                                             if tier.storing(k) or tier.present(k))
             else:
                 out[tier.medium] = len(keys)
                 self._erase(tier.medium, keys, [-1] * len(keys))
@@ -332,6 +334,23 @@ class BelowHost:
 
     def finish(self, outcome: Result) -> FetchDone | None:
         """Apply a finished job; a fetch returns what its request needs to know."""
+        done = self._finish(outcome)
+        if self._erase_when_free:
+            self._erase_freed()
+        return done
+
+    def _erase_freed(self) -> None:
+        """Erase the purged copies on local tiers that no job holds any more."""
+        for key in list(self._erase_when_free):
+            held = False
+            for tier in self.tiers:
+                if isinstance(tier, SlotTier) and (tier.storing(key) or (
+                        tier.present(key) and self._erase_slots(tier, [key]) == 0)):
+                    held = True
+            if not held:
+                self._erase_when_free.discard(key)
+
+    def _finish(self, outcome: Result) -> FetchDone | None:
         pending = self.jobs.pop(outcome.job_id)
         t = pending.job
         if t.renew:  # nothing held, nothing stored; a failure was logged where it happened
@@ -361,10 +380,6 @@ class BelowHost:
             for keys, ok in ((good, True), (bad_keys, False)):
                 if keys:
                     tier.complete_store(keys, ok)
-            landed = [k for k in t.keys if k in self._purged_landing]
-            if landed and isinstance(tier, SlotTier):  # purged while written: erased now
-                self._purged_landing.difference_update(landed)
-                self._erase_slots(tier, landed)
             self.stats.written[t.dst.value] += len(good)
             self.stats.written_bytes[t.dst.value] += outcome.nbytes
             self.stats.write_failures[t.dst.value] += len(bad_keys)

@@ -374,6 +374,8 @@ class TierManager:
         self._requests.pop(request_id, None)
         self.below.release(request_id)
         self.forget(swap_keys)
+        if self._purge_when_free:  # its fetched blocks were held for it
+            self._drop_purged()
 
     def reset(self) -> int:
         """Drop every host block no job pins (no key of the old identity is asked for again,
