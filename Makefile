@@ -16,6 +16,7 @@ run: $(STAMP)
 test: $(STAMP)
 	bash scripts/redis.sh ensure
 	bash scripts/vllm_env.sh .venv-vllm
+	bash scripts/vllm_overlay.sh .vllm-0.34.0 0.34.0
 	bash scripts/sglang_env.sh .sglang-libs
 	$(BIN)/ruff check kvtier tests benchmarks scripts
 	$(BIN)/lint-imports
@@ -24,4 +25,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25
 
 clean:
-	rm -rf $(VENV) .venv-vllm .sglang-libs
+	rm -rf $(VENV) .venv-vllm .vllm-0.34.0 .sglang-libs

@@ -106,9 +106,11 @@ def test_a_bad_extra_config_names_the_value_and_the_fix(extra: dict, message: st
 def test_untested_vllm_versions_are_refused() -> None:
     check_vllm_version("0.32.0")
     check_vllm_version("0.33.0")
-    with pytest.raises(ConfigError) as e:
-        check_vllm_version("0.31.1")
-    assert "supports vLLM 0.32.x, 0.33.x; this is vLLM 0.31.1" in str(e.value)
+    check_vllm_version("0.34.0")  # its classes checked: tests/integrations/test_vllm_conformance
+    for version in ("0.31.1", "0.35.0"):
+        with pytest.raises(ConfigError) as e:
+            check_vllm_version(version)
+        assert f"supports vLLM 0.32.x, 0.33.x, 0.34.x; this is vLLM {version}" in str(e.value)
 
 
 def test_a_secret_of_the_wrong_type_is_refused_without_being_shown() -> None:

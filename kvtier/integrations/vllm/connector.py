@@ -188,10 +188,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if new.req_id in self._requests:
                 self._blocks[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM 0.34 re-sends a resumed request in full among the new ones (above) and has no
+        # resumed_req_ids; before it, a resumed one came here with all its blocks
+        resumed = getattr(cached, "resumed_req_ids", ())
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
             if rid not in self._blocks or new_ids is None:
                 continue
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 self._blocks[rid] = [list(ids) for ids in new_ids]
             else:
                 for have, more in zip(self._blocks[rid], new_ids):

