@@ -192,6 +192,8 @@ class TierManager:
         if state.fetching:
             return FETCHING
         hits = self.host_hits(keys, tokens)
+        if not preempted and self._waits_for_landing(state, keys, hits):
+            return None  # the next blocks are still landing on host (a turn just ended)
         cap = self.config.max_load_tokens
         if cap is not None:
             hits = min(hits, cap // self.block_size)
@@ -238,6 +240,29 @@ class TierManager:
                          declined_by=declines(state.declined, (plan.load_declined, restored)))
         return Match(tuple(keys[:hits]), restored, plan.decision, state.fetched_from,
                      declined_by=declines(state.declined), partial=part is not None)
+
+    def _waits_for_landing(self, state: RequestBooks, keys: Sequence[BlockKey],
+                           hits: int) -> bool:
+        """Whether the blocks after the host's `hits` are still being copied into host (the
+        previous turn's write, not landed when its follow-up came) and waiting for them
+        beats recomputing them: the request waits, from its first ask, at most the time the
+        planner says recomputing them takes; past that they are recomputed (declined,
+        `deadline`). Waiting is asking again next step."""
+        run = 0
+        while hits + run < len(keys) and self.host.storing(keys[hits + run]):
+            run += 1
+        if not run:
+            state.landing_since = None
+            return False
+        now = time.monotonic()
+        if state.landing_since is None:
+            state.landing_since = now
+        if now - state.landing_since < self.planner.recompute_s(run * self.block_size):
+            return True
+        if not state.landing_declined:
+            state.landing_declined = True
+            state.declined[Decline.DEADLINE] += run * self.block_size
+        return False
 
     def _part_below(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
                     at: int, parent: BlockKey, tail: Sequence[int]

@@ -37,4 +37,8 @@ class RequestBooks:
     declined: Counter[Decline] = field(default_factory=Counter)  # tokens found, recomputed
     fetched_from: Medium | None = None
     fetching: bool = False  # its fetch below host is on its way
+    # when it first found its next blocks still landing on host (it waits for them, at
+    # most their recompute time), and whether it gave up on them
+    landing_since: float | None = None
+    landing_declined: bool = False
     outcome: RequestOutcome = field(default_factory=RequestOutcome)
