@@ -42,6 +42,19 @@ def written_down(e: LLMEngine, *prompts: list[int]) -> list[Any]:
     return outs
 
 
+def after_restart(again: LLMEngine, residency: str, reference: Any) -> None:
+    """A restarted engine (`again`, closed here) restores the prompt that was kept from
+    `residency` and computes the purged one anew, token for token."""
+    try:
+        woken = serve(again, KEPT)  # the other prompt is still there
+        assert woken.residency.value == residency and woken.num_restored_tokens == 96
+        fresh = serve(again, GONE)
+        assert fresh.residency.value == "new" and fresh.num_restored_tokens == 0
+        assert fresh.token_ids == reference.token_ids  # computed again, exactly
+    finally:
+        again.close()
+
+
 def test_a_purged_prompt_is_gone_from_the_disk_file_and_a_restart_computes_it_again(
         tiny: LoadedModel, tmp_path: Path) -> None:
     path = tmp_path / "kv"
@@ -61,15 +74,7 @@ def test_a_purged_prompt_is_gone_from_the_disk_file_and_a_restart_computes_it_ag
     report = e.tier.report().below
     assert report is not None and report.erased_blocks == {"disk": 6}
     e.close()
-    again = engine(tiny, **TIERS, disk_kv_path=str(path))
-    try:
-        woken = serve(again, KEPT)
-        assert woken.residency.value == "disk" and woken.num_restored_tokens == 96
-        fresh = serve(again, GONE)
-        assert fresh.residency.value == "new" and fresh.num_restored_tokens == 0
-        assert fresh.token_ids == reference.token_ids  # computed again, exactly
-    finally:
-        again.close()
+    after_restart(engine(tiny, **TIERS, disk_kv_path=str(path)), "disk", reference)
 
 
 def test_the_payload_bytes_are_overwritten_not_only_the_header(tiny: LoadedModel,
@@ -116,15 +121,8 @@ def test_a_purge_deletes_the_shared_directory_files_and_the_valkey_keys(
         assert len(files - left) == 6 and len(stored - remaining) == 6
     finally:
         e.close()
-    again = engine(tiny, **stores)  # a restart: an empty host over the same stores
-    try:
-        woken = serve(again, KEPT)  # the other prompt is still there
-        assert woken.residency.value == "remote" and woken.num_restored_tokens == 96
-        fresh = serve(again, GONE)
-        assert fresh.residency.value == "new" and fresh.num_restored_tokens == 0
-        assert fresh.token_ids == reference.token_ids  # computed again, exactly
-    finally:
-        again.close()
+    # a restart: an empty host over the same stores
+    after_restart(engine(tiny, **stores), "remote", reference)
 
 
 def test_a_store_that_cannot_erase_says_so(tiny: LoadedModel, valkey_server: Any) -> None:
