@@ -264,9 +264,15 @@ class KvPromptRequest(BaseModel):
 
     def check(self) -> None:
         """One of prompt and messages (RequestError otherwise)."""
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("name the prompt as exactly one of 'prompt' (text or token "
-                               "ids) and 'messages'")
+        check_one_prompt(self.prompt, self.messages)
+
+
+def check_one_prompt(prompt: Any, messages: Any) -> None:
+    """A KV route's body names its prompt once: RequestError otherwise (`kvtier serve`, and
+    `vllm serve`'s middleware)."""
+    if (prompt is None) == (messages is None):
+        raise RequestError("name the prompt as exactly one of 'prompt' (text or token ids) "
+                           "and 'messages'")
 
 
 class KvPurgeRequest(KvPromptRequest):

@@ -36,6 +36,7 @@ from kvtier.server.protocol import (
     PromptCacheBreakpoint,
     PromptCacheOptions,
     check_breakpoints,
+    check_one_prompt,
 )
 from kvtier.server.protocol_messages import CACHE_TTL_S, CacheControl, check_controls
 from kvtier.server.protocol_responses import ResponsesCacheOptions
@@ -205,10 +206,12 @@ class KvtierCacheFields:
         GPU prefix cache keeps its copy (vLLM's `reset_prefix_cache` clears it)."""
         body, more = await _read(receive)
         data = _json(body) if not more else None
-        if not isinstance(data, dict) or \
-                (data.get("prompt") is None) == (data.get("messages") is None):
-            await _error(send, "name the prompt as exactly one of 'prompt' (text or token "
-                               "ids) and 'messages'")
+        try:
+            if not isinstance(data, dict):
+                raise RequestError("the request body must be a JSON object")
+            check_one_prompt(data.get("prompt"), data.get("messages"))
+        except RequestError as e:
+            await _error(send, str(e))
             return
         ask: dict[str, Any] = {"max_tokens": 1, "kv_transfer_params": {"kvtier_purge": True},
                                **{k: data[k] for k in ("model", "cache_salt") if k in data}}
