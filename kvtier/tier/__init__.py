@@ -70,6 +70,7 @@ from kvtier.tier.config import (
 )
 from kvtier.tier.faults import NO_FAULTS, Faults
 from kvtier.tier.fingerprint import Fingerprint
+from kvtier.tier.handoff import Handoff, Wait
 from kvtier.tier.hints import (
     MAX_PREFIXES,
     Hint,
@@ -152,6 +153,7 @@ __all__ = [
     "FetchDone",
     "Fingerprint",
     "Grant",
+    "Handoff",
     "Hint",
     "HintReply",
     "Job",
@@ -186,6 +188,7 @@ __all__ = [
     "TierStats",
     "TierWorker",
     "TransferCounts",
+    "Wait",
     "WorkerReport",
     "build",
     "build_scheduler_side",

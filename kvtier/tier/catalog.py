@@ -15,6 +15,7 @@ import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from kvtier.tier.handoff import Wait
 from kvtier.tier.jobs import Reason
 from kvtier.tier.keys import Medium
 from kvtier.tier.load_policy import Decline
@@ -25,7 +26,7 @@ class Label(enum.Enum):
     """A label a family carries, in the order written."""
 
     TIER = "tier"  # a store below host (a Medium), or host
-    REASON = "reason"  # a Reason, a Decline, or a retention refusal
+    REASON = "reason"  # a Reason, a Decline, a Wait, or a retention refusal
     TENANT = "tenant"  # bounded by kv_tenant_labels, the rest as "other"
     ANSWER = "answer"  # granted, or the refusal's reason
     KIND = "kind"  # held or retained
@@ -52,7 +53,7 @@ class Family:
     per_rank_bytes: bool = False
 
 
-LabelValue = Medium | Reason | Decline | str
+LabelValue = Medium | Reason | Decline | Wait | str
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,12 @@ STORE_REFUSED = Family("Stores the host tier had no room for", vllm="store_refus
 DECLINED = Family("Requests that recomputed tokens found in the tier, by reason "
                   "(kvtier.tier.Decline: slower, inflight, queue, policy, deadline, no_room, "
                   "lost, layout)", (Label.REASON,), vllm="declined", serve="declined")
+WAITED = Family("Requests that waited for blocks still being written rather than recompute "
+                "them, by what for (landing: the last turn's on host; handoff: another "
+                "engine's to a shared store); what did not come in time is declined deadline",
+                (Label.REASON,), vllm="waited", serve="waited")
+WAIT_SECONDS = Family("Seconds requests waited for blocks still being written, by what for",
+                      (Label.REASON,), vllm="wait_seconds", serve="wait_seconds")
 WRITTEN_BLOCKS = Family("Blocks written on from host to a tier below it", (Label.TIER,),
                         vllm="written_blocks", serve="tier_blocks_written")
 WRITTEN_BYTES = Family("Bytes written on from host to a tier below it (as stored: 8-bit where "
@@ -174,9 +181,9 @@ CATALOG: tuple[Family, ...] = (
     LOOKUP_TOKENS, RESTORED_TOKENS, DECLINED_TOKENS, RESTORE_BYTES, RESTORE_SECONDS,
     LOSSY_RESTORED_TOKENS, FAILED_LOADS, STORED_BLOCKS, STORED_BYTES, FAILED_STORES,
     STORE_REFUSED, CACHE_RESETS, RESET_DROPPED_HOST_BLOCKS, STEP_SECONDS, HOOK_SECONDS,
-    RESTORED_BLOCKS, DECLINED, WRITTEN_BLOCKS, WRITTEN_BYTES, WRITE_FAILURES, FETCHED_BLOCKS,
-    FETCHED_BYTES, FETCH_SECONDS, RENEWED_BLOCKS, RENEW_FAILURES, ERASED_BLOCKS, ERASE_FAILURES,
-    MISS_BLOCKS, WRITE_FAILURE_BLOCKS,
+    RESTORED_BLOCKS, DECLINED, WAITED, WAIT_SECONDS, WRITTEN_BLOCKS, WRITTEN_BYTES,
+    WRITE_FAILURES, FETCHED_BLOCKS, FETCHED_BYTES, FETCH_SECONDS, RENEWED_BLOCKS,
+    RENEW_FAILURES, ERASED_BLOCKS, ERASE_FAILURES, MISS_BLOCKS, WRITE_FAILURE_BLOCKS,
     TENANT_HITS, TENANT_EVICTIONS, RETENTION_GRANTED, RETENTION_REFUSED, TENANT_RETENTION,
     TENANT_PREFETCH, TENANT_BYTES, DISK_SLOTS)
 BY_VLLM_KEY: Mapping[str, Family] = {f.vllm: f for f in CATALOG if f.vllm is not None}
@@ -187,6 +194,8 @@ BUILT_IN_TIERS: tuple[Medium, ...] = (Medium.DISK, Medium.REDIS)
 ALWAYS_LABELLED: Mapping[Family, tuple[tuple[LabelValue, ...], ...]] = {
     **{f: tuple((m,) for m in BUILT_IN_TIERS) for f in CATALOG if f.labels == (Label.TIER,)},
     DECLINED: tuple((d,) for d in Decline),
+    WAITED: tuple((w,) for w in Wait),
+    WAIT_SECONDS: tuple((w,) for w in Wait),
     DISK_SLOTS: (("used",), ("capacity",)),
 }
 
@@ -201,6 +210,10 @@ def rows(report: TierStats) -> Iterator[Row]:
         yield Row(family, (), value)
     for reason, n in report.declined.items():
         yield Row(DECLINED, (Decline(reason),), n)
+    for wait, n in report.waited.items():
+        yield Row(WAITED, (Wait(wait),), n)
+    for wait, seconds in report.wait_seconds.items():
+        yield Row(WAIT_SECONDS, (Wait(wait),), seconds)
     b = report.below
     if b is not None:
         for family, counts in ((WRITTEN_BLOCKS, b.written_blocks),

@@ -19,6 +19,7 @@ class RequestOutcome:
     seconds: float = 0.0  # the loads' time, failed ones included
     lossy: bool = False  # its prompt was restored from 8-bit blocks
     failed: bool = False  # a load failed: its tokens were computed again
+    waited_s: float = 0.0  # waiting for blocks still being written (`handoff.Wait`)
 
 
 def landed(o: RequestOutcome, swap: bool, tokens: int, ok: bool, seconds: float, nbytes: int

@@ -111,6 +111,9 @@ class TierStats:
     below: BelowReport | None
     # admitted requests that recomputed tokens found in the tier, per Decline value
     declined: Mapping[str, int] = field(default_factory=dict)
+    # requests that waited for blocks still being written, and seconds, per Wait value
+    waited: Mapping[str, int] = field(default_factory=dict)
+    wait_seconds: Mapping[str, float] = field(default_factory=dict)
     # per tenant label (bounded: `kv_tenant_labels`, the rest as "other"), in blocks
     tenants: Mapping[str, TenantCounts] = field(default_factory=dict)
     slot_bytes: int = 0  # bytes of one block in a host slot or below (blocks -> bytes)

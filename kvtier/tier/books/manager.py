@@ -52,6 +52,7 @@ from kvtier.tier.books.returns import ExpectedReturns
 from kvtier.tier.books.state import PendingTransfer, RequestBooks
 from kvtier.tier.books.tenancy import Grant, Refusal
 from kvtier.tier.config import TierConfig
+from kvtier.tier.handoff import Handoff, Wait
 from kvtier.tier.hints import Hint, HintReply, KvHints, Purged
 from kvtier.tier.jobs import Event, FetchDone, Job, LoadDone, Result, StoreDone
 from kvtier.tier.keys import BlockKey, Medium, is_swap_key, partial_keys
@@ -62,6 +63,7 @@ from kvtier.tier.planner import Decision, Planner
 from kvtier.tier.report import TierStats, TransferCounts
 
 log = logging.getLogger(__name__)
+HANDOFF_POLL_S = 0.005  # a handoff's store asked at most this often while a request waits
 
 
 class TierManager:
@@ -81,6 +83,8 @@ class TierManager:
         self.load_policy = LoadPolicy.parse(config.load_policy)  # restore or recompute
         self.stats = TransferCounts()
         self.declined: Counter[Decline] = Counter()  # admitted requests per reason declined
+        self.waited: Counter[Wait] = Counter()  # requests that waited, per what for
+        self.wait_seconds: dict[Wait, float] = {}  # and how long
         self._ids = ids
         self._pending: dict[int, PendingTransfer] = {}
         self._outbox: list[Job] = []
@@ -165,6 +169,8 @@ class TierManager:
             prediction_error=self.planner.error_report(),
             below=self.below.report() if self.below else None,
             declined={reason.value: n for reason, n in self.declined.items()},
+            waited={wait.value: n for wait, n in self.waited.items()},
+            wait_seconds={wait.value: s for wait, s in self.wait_seconds.items()},
             tenants=self.host.tenancy.report(self.config.kv_tenant_labels),
             slot_bytes=self.below.block_bytes)
 
@@ -173,7 +179,7 @@ class TierManager:
     def match(self, request_id: str, keys: Sequence[BlockKey],
               tokens: Sequence[Sequence[int]], preempted: bool = False,
               compute_ahead: int = 0, parent: BlockKey | None = None,
-              tail: Sequence[int] = ()) -> Match | None:
+              tail: Sequence[int] = (), handoff: Handoff | None = None) -> Match | None:
         """The blocks after the device prefix (`keys[i]` covers `tokens[i]`; a preempted
         sequence's partial last block included) that are worth restoring rather than
         recomputing, `compute_ahead` prefill tokens being admitted before it and not yet
@@ -185,7 +191,11 @@ class TierManager:
         stops on host, the longest leading part of the next block (of `tail`, the tokens
         after the last of `tokens` that may be loaded, past the chain's end) that a cache
         breakpoint kept under its own key is loaded with it, so the match ends exactly at
-        that breakpoint."""
+        that breakpoint.
+
+        `handoff`: another engine is writing the prompt's blocks to a shared store (its
+        prefill ran there); while fewer than it names are there, the request waits for them
+        (`_waits`), then fetches what came and recomputes the rest."""
         if self.returns.arriving(keys):  # its prefix is being staged up: not yet
             return None
         state = self._requests.setdefault(request_id, RequestBooks())
@@ -199,11 +209,18 @@ class TierManager:
             hits = min(hits, cap // self.block_size)
         media: list[Medium] = []
         if not preempted and not state.checked_below and hits < len(keys) and self.below:
+            if handoff is not None and not self._asks_again(state):
+                return None  # a handoff's store is asked at most every HANDOFF_POLL_S
             # A tier in a slow cool-down is asked too: the planner weighs it at the rate it
             # showed, and what that rules out is counted declined, never skipped unsaid.
             found = self.below.hits(keys[hits:], tokens[hits:])
             if found is None:
                 return None
+            if handoff is not None and self._waits(
+                    state, Wait.HANDOFF,
+                    handoff.blocks(len(keys), self.block_size) - hits - len(found),
+                    handoff.wait_s):
+                return None  # another engine's write has not landed yet: asked again
             state.checked_below = True
             media = found if cap is None else found[: max(0, cap // self.block_size - hits)]
             end = hits + len(media)  # where the chain stops below host too
@@ -244,25 +261,49 @@ class TierManager:
     def _waits_for_landing(self, state: RequestBooks, keys: Sequence[BlockKey],
                            hits: int) -> bool:
         """Whether the blocks after the host's `hits` are still being copied into host (the
-        previous turn's write, not landed when its follow-up came) and waiting for them
-        beats recomputing them: the request waits, from its first ask, at most the time the
-        planner says recomputing them takes; past that they are recomputed (declined,
-        `deadline`). Waiting is asking again next step."""
+        previous turn's write, not landed when its follow-up came) and the request waits for
+        them (`_waits`)."""
         run = 0
         while hits + run < len(keys) and self.host.storing(keys[hits + run]):
             run += 1
-        if not run:
-            state.landing_since = None
+        return self._waits(state, Wait.LANDING, run, None)
+
+    def _waits(self, state: RequestBooks, wait: Wait, missing: int,
+               bound_s: float | None) -> bool:
+        """Whether the request goes on waiting (asks again next step) for `missing` blocks
+        still being written: from its first ask, at most `bound_s` (None: the time the
+        planner says recomputing them takes, past which waiting costs more than computing);
+        then they are recomputed, declined `deadline` once. Its wait is counted when it
+        stops."""
+        if wait in state.gave_up:
             return False
         now = time.monotonic()
-        if state.landing_since is None:
-            state.landing_since = now
-        if now - state.landing_since < self.planner.recompute_s(run * self.block_size):
-            return True
-        if not state.landing_declined:
-            state.landing_declined = True
-            state.declined[Decline.DEADLINE] += run * self.block_size
+        if missing > 0:
+            since = state.waiting.setdefault(wait, now)
+            bound = (self.planner.recompute_s(missing * self.block_size) if bound_s is None
+                     else bound_s)
+            if now - since < bound:
+                return True
+            state.gave_up.add(wait)
+            state.declined[Decline.DEADLINE] += missing * self.block_size
+        self._stop_waiting(state, wait, now)
         return False
+
+    def _stop_waiting(self, state: RequestBooks, wait: Wait, now: float) -> None:
+        since = state.waiting.pop(wait, None)
+        if since is not None:
+            self.waited[wait] += 1
+            self.wait_seconds[wait] = self.wait_seconds.get(wait, 0.0) + now - since
+            state.outcome = replace(state.outcome, waited_s=state.outcome.waited_s + now - since)
+
+    def _asks_again(self, state: RequestBooks) -> bool:
+        """Whether a request waiting for a handoff asks the store again now: an engine
+        waiting on one request steps in a loop, and a question a step would flood it."""
+        now = time.monotonic()
+        if now - state.asked_at < HANDOFF_POLL_S:
+            return False
+        state.asked_at = now
+        return True
 
     def _part_below(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]],
                     at: int, parent: BlockKey, tail: Sequence[int]
@@ -396,7 +437,10 @@ class TierManager:
 
     def finished(self, request_id: str, swap_keys: Sequence[BlockKey] = ()) -> None:
         """The request finished or was aborted: forget its state and its swap entries."""
-        self._requests.pop(request_id, None)
+        state = self._requests.pop(request_id, None)
+        if state is not None:  # a wait it never ended (aborted while waiting) counts too
+            for wait in list(state.waiting):
+                self._stop_waiting(state, wait, time.monotonic())
         self.below.release(request_id)
         self.forget(swap_keys)
         if self._purge_when_free:  # its fetched blocks were held for it

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvtier.tier.handoff import Wait
 from kvtier.tier.jobs import Job
 from kvtier.tier.keys import BlockKey, Medium
 from kvtier.tier.load_policy import Decline
@@ -37,8 +38,9 @@ class RequestBooks:
     declined: Counter[Decline] = field(default_factory=Counter)  # tokens found, recomputed
     fetched_from: Medium | None = None
     fetching: bool = False  # its fetch below host is on its way
-    # when it first found its next blocks still landing on host (it waits for them, at
-    # most their recompute time), and whether it gave up on them
-    landing_since: float | None = None
-    landing_declined: bool = False
+    # what it waits for (blocks landing on host, or another engine's handoff), since when,
+    # and what it gave up on (counted declined once)
+    waiting: dict[Wait, float] = field(default_factory=dict)
+    gave_up: set[Wait] = field(default_factory=set)
+    asked_at: float = 0.0  # when it last asked a shared store for a handoff's blocks
     outcome: RequestOutcome = field(default_factory=RequestOutcome)
