@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # kvtier/tier/books/manager.py's docstring, and the read-only facts a client sizes itself by
 MANAGER_FACE = frozenset({
     "match", "allocated", "outcome", "store", "finished", "forget", "take_jobs", "apply",
-    "report", "decide", "observe_prefill", "wait_presence", "busy", "below_host",
+    "report", "decide", "observe_prefill", "wait_presence", "busy", "below_host", "hands_off",
     "host_slots", "holds", "write_down_host", "config", "block_size", "block_bytes", "lossy",
     "close", "take_residency_changes", "reset", "prefetch", "answer", "retain",
     "expect", "stage_returns", "purge", "purge_tenant",

@@ -1,8 +1,9 @@
-"""A loopback TCP proxy that makes a healthy server slow: requests go through at full speed,
-replies at `rate` bytes per second (None: full speed) after `delay_s` per chunk, so a real
-redis-server can be made to trickle (alive, answering, never silent for a socket timeout)
-or to stall. Rate and delay may change while it runs (a store that recovers). Test helper:
-one thread per direction per connection, all closed with the proxy."""
+"""A loopback TCP proxy that makes a healthy server slow: requests go through at full speed
+(or at `request_rate` bytes per second: a slow write), replies at `rate` bytes per second
+(None: full speed) after `delay_s` per chunk, so a real redis-server can be made to trickle
+(alive, answering, never silent for a socket timeout) or to stall. Rates and delay may change
+while it runs (a store that recovers). Test helper: one thread per direction per connection,
+all closed with the proxy."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ CHUNK = 1024  # bytes forwarded at a time on the slow side
 class TrickleProxy:
     """127.0.0.1:`port` -> 127.0.0.1:`upstream`."""
 
-    def __init__(self, upstream: int, rate: float | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, upstream: int, rate: float | None = None, delay_s: float = 0.0,
+                 request_rate: float | None = None) -> None:
         self.upstream, self.rate, self.delay_s = upstream, rate, delay_s
+        self.request_rate = request_rate
         self.listener = socket.socket()
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", 0))
@@ -64,15 +67,15 @@ class TrickleProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
         try:
             while True:
-                data = src.recv(CHUNK if slow and self.rate else 1 << 16)
+                rate = self.rate if slow else self.request_rate
+                data = src.recv(CHUNK if rate else 1 << 16)
                 if not data:
                     break
-                if slow:
-                    if self.delay_s:
-                        time.sleep(self.delay_s)
-                    if self.rate:
-                        time.sleep(len(data) / self.rate)
-                else:
+                if slow and self.delay_s:
+                    time.sleep(self.delay_s)
+                if rate:
+                    time.sleep(len(data) / rate)
+                if not slow:
                     self.requested += len(data)
                 dst.sendall(data)
         except OSError:

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.integrations.kit.counters import Count, merge, nest
 from kvtier.integrations.kit.epochs import ChainIdentity
 from kvtier.integrations.kit.events import UNPUBLISHED, KVEvents
+from kvtier.integrations.kit.handoff import INVALID, expected, handed, invalid
 from kvtier.integrations.kit.hook_clock import HookClock, timed
 from kvtier.integrations.kit.identity import AdapterMemo, adapter_identity
 from kvtier.integrations.kit.ranks import RankResults
@@ -144,10 +145,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self.tier = build_scheduler_side(plan.config, plan.block_size, plan.block_nbytes,
                                              prior(), plan.namespace, plan.expected.coded_shape,
                                              residency=self.events is not None)
+            # vLLM's kv_role: a producer never loads from the tier, a consumer never stores
+            role_of = self._kv_transfer_config
             self.scheduler = SchedulerSide(self.tier.manager, plan.block_size,
                                            self.identity.seed, plan.world_size,
                                            plan.windows, self.events or UNPUBLISHED,
-                                           self.settings.async_loads)
+                                           self.settings.async_loads,
+                                           loads=role_of.is_kv_consumer,
+                                           stores=role_of.is_kv_producer)
         else:
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
                                           plan.block_size, Faults.from_env(rank))
@@ -167,9 +172,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # the tenant whose quotas and counters its stores count against: its cache_salt where
         # the operator says its router sets it (kv_tenant_from), else the one tenant
         tenant = request_tenant(self.config.tenant_source, request.cache_salt)
+        # a decode whose prefill ran on another engine waits for its blocks (handoff.py)
+        handoff = expected(request.kv_transfer_params, self.settings.kv_handoff_wait_s)
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, salt,
                                           num_computed_tokens, request.num_prompt_tokens,
-                                          tenant=tenant)
+                                          tenant=tenant, handoff=handoff)
         return n, bool(n) and self.scheduler.loads_async(request.request_id)
 
     @timed(begins_step=True)
@@ -238,8 +245,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         hold = self.scheduler.finish_windows(request.request_id, block_ids,
                                              request.num_computed_tokens)
-        answers = self.scheduler.answer(request.request_id, request.kv_transfer_params,
+        asks = request.kv_transfer_params
+        answers = self.scheduler.answer(request.request_id, asks,
                                         getattr(request, "kv_hints", None))
+        # a prefill whose decode runs elsewhere: what it hands off (handoff.py)
+        answers.update(handed(asks, self.scheduler.handed_tokens(request.request_id),
+                              self.scheduler.manager.hands_off))
+        if invalid(asks):
+            answers[INVALID] = invalid(asks)
         params = self.scheduler.finished(request.request_id)
         self._requests.pop(request.request_id, None)  # live until now: its blocks' origins
         self._blocks.pop(request.request_id, None)

@@ -1,10 +1,11 @@
 """The connector's scheduler half, over plain values (request ids, token ids, block ids), so
 its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierManager`.
 
-  matched_tokens(request, tokens, salt, computed, prompt_len)
+  matched_tokens(request, tokens, salt, computed, prompt_len, handoff)
                                                    -> tokens kvtier can restore (None: ask
                                                       again next step: a Redis presence
-                                                      answer or a fetch to host is pending)
+                                                      answer or a fetch to host is pending,
+                                                      or another engine's handoff not there)
   loads_async(request)                             -> whether that match's load runs beside
                                                       the others' steps (`async_loading.py`)
   allocated(request, block_ids, external)          -> the load job, if vLLM took the match
@@ -15,7 +16,9 @@ its bookkeeping is testable without vLLM: vLLM's hooks become calls on a `TierMa
                                                       above, stores of newly full blocks
   apply(results)                                   the worker's results (slots unpinned)
   answer(request, asks)                            -> its asks (retention, expect-return:
-                                                      `kv_hints.py`) answered; then:
+                                                      `kv_hints.py`) answered;
+  handed_tokens(request)                           -> its leading tokens stored (what it
+                                                      hands off: `handoff.py`); then:
   finished(request)                                -> what the caller is told
   take_stats()                                     -> counters since the last call
   reset()                                          vLLM forgot its cache (new weights?):
@@ -66,6 +69,7 @@ from kvtier.tier import (
     BlockKey,
     Decline,
     FetchDone,
+    Handoff,
     Job,
     LoadDone,
     Match,
@@ -84,10 +88,14 @@ class SchedulerSide:
                  namespace: Callable[[str], BlockKey], world_size: int = 1,
                  windows: Sequence[Window | None] = (None,),
                  recorder: BlockRecorder = UNPUBLISHED,
-                 async_loading: AsyncLoading = AsyncLoading.AUTO) -> None:
+                 async_loading: AsyncLoading = AsyncLoading.AUTO,
+                 loads: bool = True, stores: bool = True) -> None:
         """`recorder`: told which blocks go to the tier (vLLM's KV events, `events.py`);
-        `async_loading`: which loads run beside the others' steps."""
+        `async_loading`: which loads run beside the others' steps; `loads`, `stores`: what
+        vLLM's kv_role lets this engine do (a producer never loads, a consumer never
+        stores)."""
         self.manager = manager
+        self.loads, self.stores = loads, stores
         self.recorder = recorder
         self.block_size = block_size
         self.namespace = namespace  # salt (cache_salt, LoRA) -> the chain's seed
@@ -112,22 +120,25 @@ class SchedulerSide:
 
     def matched_tokens(self, request_id: str, tokens: Sequence[int], salt: str,
                        num_computed: int, prompt_len: int | None = None,
-                       tenant: str = "") -> int | None:
-        """Tokens after vLLM's own `num_computed` kvtier can restore; it stores as `tenant`."""
+                       tenant: str = "", handoff: Handoff | None = None) -> int | None:
+        """Tokens after vLLM's own `num_computed` kvtier can restore; it stores as `tenant`.
+        `handoff`: another engine prefilled the prompt and writes its blocks to a shared
+        store (P/D): waited for, bounded (None until they are there or the wait ends)."""
         st = self._state(request_id, tokens, salt, prompt_len)
         st.tenant = tenant
         bs = self.block_size
         d = num_computed // bs
         last = (len(tokens) - 1) // bs  # at least one token is always computed
         st.match, st.local_blocks, st.looked_up, st.offered, st.need = NO_MATCH, d, 0, 0, []
-        if last <= d or st.stale or st.load_failed:
+        if last <= d or st.stale or st.load_failed or not self.loads:
             return 0
         self._keys(st, last)
         end = last if self._partial_ok else self._whole_end(st, d, last)
         need = self._needed(d, end)
         match = self.manager.match(request_id, [st.group_keys[g][i] for g, i in need],
                                    [self._chunk(st, i) for _, i in need],
-                                   compute_ahead=self._compute_ahead())
+                                   compute_ahead=self._compute_ahead(),
+                                   handoff=handoff.after(d * bs) if handoff else None)
         if match is None or match.fetching:  # a presence answer or a fetch is on its way
             if match is not None:
                 self.recorder.fetching(request_id, need, st.group_keys)
@@ -248,7 +259,7 @@ class SchedulerSide:
         decode, so a follow-up that carries the output hits there too): stored in the next
         step, so vLLM must keep them until then (True; `take_sending` names the request)."""
         st = self.requests.get(request_id)
-        if st is None or st.stale or self._partial_ok:
+        if st is None or st.stale or self._partial_ok or not self.stores:
             return False
         bs = self.block_size
         end = min(computed, len(st.tokens)) // bs
@@ -313,7 +324,7 @@ class SchedulerSide:
             if st is None:
                 continue
             st.computed = s.computed_after
-            if st.stale:
+            if st.stale or not self.stores:
                 continue
             allocated = min(len(ids) for ids in s.block_ids)
             full = min(s.computed_after, len(st.tokens), allocated * bs) // bs
@@ -390,6 +401,14 @@ class SchedulerSide:
         return self.hints.answer(request_id, asks, st.tenant, keys, chunks, envelope,
                                  st.prompt_len, max(1, len(st.group_keys)), read)
 
+    def handed_tokens(self, request_id: str) -> int:
+        """The leading tokens whose blocks this engine stored for the request, prompt and
+        output (what it hands off: they are on their way to every store below host)."""
+        st = self.requests.get(request_id)
+        if st is None or st.stale or not self.stores:
+            return 0
+        return st.stored * self.block_size
+
     def finished(self, request_id: str) -> dict[str, Any]:
         """Forget the request; what the tier did for it (vLLM's kv_transfer_params)."""
         outcome = self.manager.outcome(request_id)
@@ -408,6 +427,8 @@ class SchedulerSide:
         return {"kvtier_residency": residency,
                 "kvtier_restored_tokens": restored,
                 "kvtier_restore_s": round(outcome.seconds, 6),
+                # waiting for blocks still being written (another engine's handoff)
+                "kvtier_waited_s": round(outcome.waited_s, 6),
                 # restored from 8-bit blocks (kv_offload_dtype): close to, not exactly, the KV
                 "kvtier_lossy": bool(restored and outcome.lossy),
                 # when each step of its wake happened (wake_timeline.py)

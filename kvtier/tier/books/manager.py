@@ -27,9 +27,10 @@ Primitives, in the order a client calls them:
   take_jobs() -> [Job]              jobs decided since the last call, for the worker
   apply([Result]) -> [Event]        LoadDone / FetchDone / StoreDone
 and what a client may ask besides: report() -> TierStats, decide(tokens, bytes, mode),
-observe_prefill(tokens, seconds), below_host, host_slots, wait_presence(), busy, close(),
-take_residency_changes() -> [ResidencyChange] (which blocks became resident on host or disk,
-or stopped being, since the last call: recorded only for a manager built to keep them).
+observe_prefill(tokens, seconds), below_host, hands_off, host_slots, wait_presence(), busy,
+close(), take_residency_changes() -> [ResidencyChange] (which blocks became resident on host
+or disk, or stopped being, since the last call: recorded only for a manager built to keep
+them).
 Between a job's creation and its result, its host slots are pinned in the host index (and
 a deeper tier's slots in theirs): neither is evicted nor handed out again.
 """
@@ -135,6 +136,12 @@ class TierManager:
     @property
     def host_slots(self) -> int:
         return self.host.num_slots
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether what is stored here reaches a store other engines read (a handoff to
+        another engine can go through it)."""
+        return self.below.shared
 
     def wait_presence(self) -> None:
         """Block until the remote store has answered what was asked (or a short timeout)."""
