@@ -79,6 +79,9 @@ def test_numeric_knobs_are_found() -> None:
     ({"model_identity_file": 3}, "model_identity_file=3 is a int"),
     ({"load_policy": "threshold:1024"}, "load_policy='threshold:1024': threshold needs two"),
     ({"enable_residency_details": "yes"}, "must be true or false"),
+    ({"kv_handoff_wait_s": 0}, "kv_handoff_wait_s=0 must be seconds > 0"),
+    ({"kv_handoff_wait_s": float("nan")}, "kv_handoff_wait_s=nan must be a finite number"),
+    ({"kv_handoff_wait_s": "5"}, "kv_handoff_wait_s='5' is a str"),
 ])
 def test_connector_knobs_are_checked_too(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
