@@ -178,7 +178,7 @@ class VllmServer:
     def __init__(self, model: Path, connector: dict[str, Any] | None, blocks: int,
                  log_path: Path, max_model_len: int = 2048, max_num_seqs: int = 4,
                  peer: dict[str, Any] | None = None, python: Path = VLLM_PYTHON,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         import socket
 
         with socket.socket() as s:
@@ -205,6 +205,7 @@ class VllmServer:
         elif peer is not None:
             self.args += ["--kv-transfer-config", json.dumps(peer)]
         self.args += list(extra_args)  # e.g. --middleware
+        self.env = env or {}  # e.g. VLLM_CPU_OMP_THREADS_BIND: the cores it computes on
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmServer:
@@ -215,7 +216,7 @@ class VllmServer:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                                          "LMCACHE_TRACK_USAGE": "false"})
+                                          "LMCACHE_TRACK_USAGE": "false", **self.env})
         log.close()
         deadline = time.monotonic() + self.START_S
         while time.monotonic() < deadline:
