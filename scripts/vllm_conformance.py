@@ -48,6 +48,9 @@ READS: dict[str, tuple[str, ...]] = {
     "vllm.distributed.kv_events:BlockStored": (
         "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
     "vllm.distributed.kv_events:BlockRemoved": ("block_hashes", "medium"),
+    # the connector's own config: its extra config and the kv_role it honours
+    "vllm.config:KVTransferConfig": (
+        "kv_connector_extra_config", "is_kv_producer", "is_kv_consumer"),
 }
 CONNECTOR = "kvtier.integrations.vllm.connector:KvtierConnector"
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
