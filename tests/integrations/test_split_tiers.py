@@ -31,7 +31,7 @@ class Half:
     """One vLLM process pair: a scheduler side and a worker side over its own KV memory."""
 
     def __init__(self, config: TierConfig, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, weights: str = "weights") -> None:
+                 seed: int = 0, weights: str = "weights", writes_first: bool = False) -> None:
         torch.manual_seed(seed)
         self.kv = torch.randn(LAYERS, BLOCKS, *SHAPE).to(dtype)  # one storage, as vLLM CPU
         fp = Fingerprint(weights, "arch", str(dtype), BS, "")
@@ -39,7 +39,8 @@ class Half:
                                         for i in range(LAYERS)), BLOCKS, SHAPE, dtype,
                                   host_slot_count(config.kv_offloading_size, nbytes(dtype)))
         # vLLM builds the worker first (register_kv_caches), then the scheduler
-        self.worker = WorkerSide(config, expected, fp.namespace(), BS)
+        self.worker = WorkerSide(config, expected, fp.namespace(), BS,
+                                 writes_first=writes_first)
         self.worker.register({f"model.layers.{i}.self_attn.attn": self.kv[i]
                               for i in range(LAYERS)})
         cal = Calibration(link_gbps=5.0, transfer_overhead_s=1e-4, prefill_tokens_per_s=1000.0)
@@ -105,6 +106,17 @@ def first_run(config: TierConfig) -> list[torch.Tensor]:
     blocks = [a.block(i) for i in (1, 2, 3)]
     a.close()
     return blocks
+
+
+def test_a_producer_lands_its_writes_below_host_before_its_next_forward_pass(
+        tmp_path: Path) -> None:
+    a = Half(disk(tmp_path), writes_first=True)  # vLLM's kv_role kv_producer
+    a.side.allocated("a", [[1, 2, 3, 4]], a.matched("a", PROMPT))
+    a.step([Scheduled("a", [[1, 2, 3, 4]], len(PROMPT))])  # stored to host, writes decided
+    a.step()  # the writes are submitted, and land before the step goes on to compute
+    assert a.stats["written_blocks{tier=disk}"] == 3
+    assert not a.side.busy
+    a.close()
 
 
 def test_a_restarted_process_restores_the_prefix_from_disk_exactly(tmp_path: Path) -> None:

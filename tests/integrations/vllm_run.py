@@ -178,7 +178,8 @@ class VllmServer:
     def __init__(self, model: Path, connector: dict[str, Any] | None, blocks: int,
                  log_path: Path, max_model_len: int = 2048, max_num_seqs: int = 4,
                  peer: dict[str, Any] | None = None, python: Path = VLLM_PYTHON,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 kv_role: str = "kv_both") -> None:
         import socket
 
         with socket.socket() as s:
@@ -199,7 +200,7 @@ class VllmServer:
         if connector is not None:
             self.args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KvtierConnector",
-                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": kv_role,
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": with_residency(connector)})]
         elif peer is not None:

@@ -154,8 +154,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                            loads=role_of.is_kv_consumer,
                                            stores=role_of.is_kv_producer)
         else:
+            role_of = self._kv_transfer_config  # a producer only: its writes land first
             self.worker_side = WorkerSide(plan.config, plan.expected, plan.namespace,
-                                          plan.block_size, Faults.from_env(rank))
+                                          plan.block_size, Faults.from_env(rank),
+                                          writes_first=not role_of.is_kv_consumer)
 
     # -- scheduler side -----------------------------------------------------------------
 

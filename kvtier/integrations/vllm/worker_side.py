@@ -15,6 +15,9 @@ the tier's I/O thread, across steps; their results go back with whichever step s
                         thread's since the last call; failed loads' blocks apart
   take_received(idle)   the requests whose asynchronous loads landed (vLLM's
                         finished_recving; a failed one's blocks among the load errors)
+An instance that only produces (kv_role kv_producer: prefills handed to other instances)
+lands its writes below host before each forward pass, so its handoffs reach the shared
+store at the I/O thread's own speed.
 A load the scheduler marked asynchronous (`async_loading.py`) is not waited for: it runs on
 the link beside this step and the next, and its request is reported once it has landed.
 """
@@ -22,6 +25,7 @@ the link beside this step and the next, and its request is reported once it has 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +51,9 @@ IDLE_FETCH_WAIT_S = 0.02
 # How long a step with no tokens to compute waits for an asynchronous load to land, for
 # the same reason: vLLM would otherwise spin empty steps until it has.
 IDLE_LOAD_WAIT_S = 0.05
+# How long a producer's step waits for its writes below host before its forward pass: a store
+# slower than this (or unreachable, until its own timeouts) costs each step no more.
+WRITES_FIRST_MAX_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -130,8 +137,12 @@ class WorkerSide:
     """A TierWorker over vLLM's KV caches, run one step at a time."""
 
     def __init__(self, config: TierConfig, expected: ExpectedLayout, namespace: bytes,
-                 block_size: int, faults: Faults = NO_FAULTS) -> None:
+                 block_size: int, faults: Faults = NO_FAULTS, writes_first: bool = False
+                 ) -> None:
+        """`writes_first`: an instance that only produces (vLLM's kv_role kv_producer) lands
+        its writes below host before each forward pass (`_land_writes`)."""
         self.config = config
+        self.writes_first = writes_first
         self.expected = expected
         self.namespace = namespace  # the fingerprint every block below host carries
         self.block_size = block_size
@@ -184,8 +195,20 @@ class WorkerSide:
             return
         for job in below:
             self.worker.submit(job)
-        if idle:
+        if self.writes_first:
+            self._land_writes()
+        elif idle:
             self._results += self.worker.wait_fetches(IDLE_FETCH_WAIT_S)
+
+    def _land_writes(self) -> None:
+        """A producer's writes below host land before its next forward pass (at most
+        WRITES_FIRST_MAX_S): on the cores that compute, a write beside a prefill crawled
+        (a decode waited 1.9 s for its handoff at 0.45 prompts/s, `benchmarks/vllm_pd.py`),
+        so the prefill waits the write's own time instead."""
+        assert self.worker is not None
+        deadline = time.monotonic() + WRITES_FIRST_MAX_S
+        while self.worker.busy and time.monotonic() < deadline:
+            self._results += self.worker.wait_any()
 
     def save(self, jobs: Sequence[Job], sending: Sequence[str] = ()) -> None:
         """Device -> host jobs of blocks this step filled, complete before vLLM may reuse them;
