@@ -7,6 +7,7 @@ the decode to instance D with the kv_transfer_params P answered, streamed. Three
                   P (kv_producer) stores its blocks to its host tier and writes them on to
                   Valkey before its next prefill; D (kv_both) waits for them, bounded, and
                   fetches them (`kit/handoff.py`)
+  kvtier P/D fs   the same over one shared directory (`kv_stores: {"fs": ...}`)
   example P/D     both with vLLM's own ExampleConnector over one directory (what vLLM ships
                   as its store-based P/D reference: P writes each layer as it computes)
   colocated       two plain vLLM instances, each request whole on one (round robin)
@@ -47,7 +48,7 @@ BLOCKS = 24  # each instance's pool of 128-token blocks: three prompts at once
 # a decode waits up to 5 s for its prefill's blocks (a P/D decoder should not prefill);
 # unset, it waits as long as the planner says recomputing them would take
 HOST = {"kv_offloading_size": 0.5, "enable_residency_details": True, "kv_handoff_wait_s": 5.0}
-MODES = ("kvtier P/D", "example P/D", "colocated")
+MODES = ("kvtier P/D", "kvtier P/D fs", "example P/D", "colocated")
 
 
 def servers(mode: str, model: Path, tmp: Path, valkey_url: str) -> tuple[VllmServer, ...]:
@@ -55,9 +56,12 @@ def servers(mode: str, model: Path, tmp: Path, valkey_url: str) -> tuple[VllmSer
     made = []
     for i, role in enumerate(("p", "d")):
         log, env = tmp / f"{mode.split()[0]}-{role}.log", {"VLLM_CPU_OMP_THREADS_BIND": str(i)}
-        if mode == "kvtier P/D":  # P only produces: its writes land before its next prefill
-            made.append(VllmServer(model, {**HOST, "remote_kv_url": valkey_url}, BLOCKS, log,
-                                   env=env, kv_role="kv_producer" if role == "p" else "kv_both"))
+        if mode.startswith("kvtier"):  # P only produces: its writes land before its next prefill
+            store = ({"remote_kv_url": valkey_url} if mode == "kvtier P/D" else
+                     {"kv_stores": {"fs": {"path": str(tmp / "shared"), "read_gbps": 1.0}}})
+            log = tmp / f"{mode.replace(' ', '-').replace('/', '')}-{role}.log"
+            made.append(VllmServer(model, {**HOST, **store}, BLOCKS, log, env=env,
+                                   kv_role="kv_producer" if role == "p" else "kv_both"))
         elif mode == "example P/D":
             peer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
@@ -170,9 +174,9 @@ def main() -> int:
                 warm(p, d)
                 rows[mode] = {}
                 for rate, (prompts, arrivals) in loads.items():
-                    before = d.metrics() if mode == "kvtier P/D" else {}
+                    before = d.metrics() if mode.startswith("kvtier") else {}
                     run = asyncio.run(load(mode, p, d, prompts, arrivals, args.max_tokens))
-                    if mode == "kvtier P/D":  # this rate's own counts
+                    if mode.startswith("kvtier"):  # this rate's own counts
                         after = d.metrics()
                         run["decode_metrics"] = {k: v - before.get(k, 0.0)
                                                  for k, v in after.items()}
@@ -208,7 +212,7 @@ def workload(n: int, rate: float, tokens: int, seed: int
 
 
 def report(rows: dict[str, Any]) -> dict[str, Any]:
-    print(f"{'mode':<12} {'rate/s':>6} {'TTFT p50 ms':>11} {'TTFT p90 ms':>11} "
+    print(f"{'mode':<13} {'rate/s':>6} {'TTFT p50 ms':>11} {'TTFT p90 ms':>11} "
           f"{'prefill p50':>11} {'TPOT p50 ms':>11} {'tok/s':>6} {'equal':>6} {'restored':>9}")
     out: dict[str, Any] = {}
     for mode, by_rate in rows.items():
@@ -220,7 +224,7 @@ def report(rows: dict[str, Any]) -> dict[str, Any]:
             equal = ("-" if row["answers_equal"] is None
                      else f"{row['answers_equal']}/{row['requests']}")
             restored = row["restored_tokens"]
-            print(f"{mode:<12} {rate:>6} {row['ttft_p50_s'] * 1e3:>11.0f} "
+            print(f"{mode:<13} {rate:>6} {row['ttft_p50_s'] * 1e3:>11.0f} "
                   f"{row['ttft_p90_s'] * 1e3:>11.0f} {pre:>11} {row['tpot_p50_s'] * 1e3:>11.1f} "
                   f"{row['throughput_tok_s']:>6.1f} {equal:>6} "
                   f"{'-' if restored is None else f'{restored:.0f}':>9}")

@@ -50,7 +50,8 @@ class Half:
 
     def step(self, scheduled: list[Scheduled] | None = None) -> None:
         jobs = self.side.step(scheduled or [])
-        self.worker.load(jobs)
+        self.worker.start_below(jobs)  # vLLM binds the metadata before its forward pass
+        self.worker.load(jobs)  # and starts the loads after it: nothing below runs twice
         self.worker.save(jobs)
         self.side.apply(self.worker.take_results())
         for key, value in flat(self.side.take_stats()).items():

@@ -253,8 +253,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # a prefill whose decode runs elsewhere: what it hands off (handoff.py)
         answers.update(handed(asks, self.scheduler.handed_tokens(request.request_id),
                               self.scheduler.manager.hands_off))
-        if invalid(asks):
-            answers[INVALID] = invalid(asks)
+        bad = invalid(asks)
+        if bad:
+            answers[INVALID] = bad
         params = self.scheduler.finished(request.request_id)
         self._requests.pop(request.request_id, None)  # live until now: its blocks' origins
         self._blocks.pop(request.request_id, None)
@@ -321,6 +322,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side --------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """This step's metadata, bound before the forward pass: its jobs below host (writes
+        on, fetches) start now. vLLM calls `start_load_kv` after the forward pass when no
+        load is synchronous, and a write started there waited a whole prefill (a handoff's
+        decode waited for it: `benchmarks/vllm_pd.py`)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None and isinstance(connector_metadata, KvtierMetadata):
+            self.worker_side.start_below(connector_metadata.jobs)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None

@@ -9,8 +9,10 @@ the tier's I/O thread, across steps; their results go back with whichever step s
 
   register(kv_caches)   validate the tensors (shape, dtype, contiguity, one storage) against
                         what the scheduler planned for, and allocate the host pool
+  start_below(jobs)     queue the step's jobs below host on the I/O thread (before the
+                        forward pass: `bind_connector_metadata`)
   load(jobs) / save(jobs)   run the step's host -> device / device -> host jobs (load also
-                        queues its jobs below host on the I/O thread)
+                        queues the jobs below host not queued yet)
   take_results()        for the scheduler (worker metadata): this step's, and the I/O
                         thread's since the last call; failed loads' blocks apart
   take_received(idle)   the requests whose asynchronous loads landed (vLLM's
@@ -153,6 +155,7 @@ class WorkerSide:
         self._sent: set[str] = set()
         self._receiving: dict[int, tuple[str, tuple[int, ...]]] = {}  # async load -> request
         self._received: set[str] = set()
+        self._started: set[int] = set()  # this step's jobs below host, already submitted
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         layout = self.expected.check(kv_caches)
@@ -187,7 +190,17 @@ class WorkerSide:
             assert self.worker is not None
             self._receiving[job.id] = (apart[job.id], job.device_blocks)
             self.worker.submit(job)
-        below = [j for j in jobs if j.below_host]
+        self.start_below(jobs)
+        if idle and self.worker is not None and not self.writes_first:
+            self._results += self.worker.wait_fetches(IDLE_FETCH_WAIT_S)
+
+    def start_below(self, jobs: Sequence[Job]) -> None:
+        """The step's jobs below host (writes on, fetches) start on the I/O thread, once
+        each: called before the forward pass where the engine allows (vLLM starts a step's
+        loads after it when none is synchronous, and a write decided for the step would
+        start a whole forward pass late), and by `load` for the rest."""
+        below = [j for j in jobs if j.below_host and j.id not in self._started]
+        self._started = {j.id for j in below}  # a step's jobs come once: the last step's go
         if self.worker is None:  # never registered: every job fails, nothing is served
             self._results += [Result(j.id, (False,) * len(j.keys),
                                      ("no KV caches registered",) * len(j.keys), 0, 0.0)
@@ -195,10 +208,8 @@ class WorkerSide:
             return
         for job in below:
             self.worker.submit(job)
-        if self.writes_first:
+        if below and self.writes_first:
             self._land_writes()
-        elif idle:
-            self._results += self.worker.wait_fetches(IDLE_FETCH_WAIT_S)
 
     def _land_writes(self) -> None:
         """A producer's writes below host land before its next forward pass (at most
