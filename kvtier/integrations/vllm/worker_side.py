@@ -213,9 +213,9 @@ class WorkerSide:
 
     def _land_writes(self) -> None:
         """A producer's writes below host land before its next forward pass (at most
-        WRITES_FIRST_MAX_S): on the cores that compute, a write beside a prefill crawled
-        (a decode waited 1.9 s for its handoff at 0.45 prompts/s, `benchmarks/vllm_pd.py`),
-        so the prefill waits the write's own time instead."""
+        WRITES_FIRST_MAX_S), rather than share its cores with the next prefill: its
+        handoffs reach the shared store at the I/O thread's own speed, and the prefill
+        waits the writes' time."""
         assert self.worker is not None
         deadline = time.monotonic() + WRITES_FIRST_MAX_S
         while self.worker.busy and time.monotonic() < deadline:
