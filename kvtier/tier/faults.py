@@ -7,9 +7,10 @@
                                   medium, at most MAX_DELAY_S); not waited for once the
                                   fetch's deadline has passed, and a miss if it ends past it
 `Faults.from_env()` is the one reader of the environment, for tests that drive a real process
-(a server, vLLM): KVTIER_FAULT_LOADS=1 fails every host -> device load; with
-KVTIER_FAULT_RANK=r as well, only in worker rank r (tensor parallel: one rank's failure must be
-a miss on all). Everything is off by default; nothing here runs unless a test asked for it.
+(a server, vLLM): KVTIER_FAULT_LOADS=1 fails every host -> device load, and
+KVTIER_FAULT_SLOW_FETCH_S=s reads every fetched block s seconds late; with KVTIER_FAULT_RANK=r
+as well, only in worker rank r (tensor parallel: one rank's failure must be a miss on all).
+Everything is off by default; nothing here runs unless a test asked for it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ DelayFault = Callable[[Job, int], float]
 MAX_DELAY_S = 10.0  # a delay fault is a slow medium, never a hang
 LOADS_ENV = "KVTIER_FAULT_LOADS"
 RANK_ENV = "KVTIER_FAULT_RANK"
+SLOW_FETCH_ENV = "KVTIER_FAULT_SLOW_FETCH_S"
 
 
 def no_link_fault(job: Job, step: int) -> bool:
@@ -55,12 +57,25 @@ class Faults:
 
     @classmethod
     def from_env(cls, rank: int = 0) -> Faults:
-        """Off unless a test process set KVTIER_FAULT_LOADS=1 (every load fails), and then
-        only in rank KVTIER_FAULT_RANK when that is set."""
-        if os.environ.get(LOADS_ENV) != "1":
-            return cls()
+        """Off unless a test process set KVTIER_FAULT_LOADS=1 (every load fails) or
+        KVTIER_FAULT_SLOW_FETCH_S=s (every block fetched from below host is read s seconds
+        late, at most MAX_DELAY_S); with KVTIER_FAULT_RANK set, only in that worker rank."""
         only = os.environ.get(RANK_ENV, "").strip()
-        return cls() if only and only != str(rank) else cls(link=every_load)
+        if only and only != str(rank):
+            return cls()
+        link = every_load if os.environ.get(LOADS_ENV) == "1" else no_link_fault
+        try:
+            late = float(os.environ.get(SLOW_FETCH_ENV, "0") or 0)
+        except ValueError:
+            late = 0.0
+        return cls(link=link, slow=_late(late) if late > 0 else no_delay)
+
+
+def _late(seconds: float) -> DelayFault:
+    def late(job: Job, index: int) -> float:
+        return seconds
+
+    return late
 
 
 NO_FAULTS = Faults()

@@ -116,9 +116,12 @@ def test_wakes_aborted_while_their_fetch_is_in_flight_leave_nothing_pinned(
     first = parse(run_vllm(vllm_python, smollm2_hf, {
         "connector": tiers, "blocks": 24, "prompts": [four[0], *four],
         "max_model_len": 1024}, env=env).stdout)
+    # each block read 50 ms late: a fetch spans steps (it starts before the forward pass
+    # and would otherwise land within the step that decided it)
     second = parse(run_vllm(vllm_python, smollm2_hf, {
         "connector": tiers, "blocks": 24, "prompts": [*four, four[0]],
-        "abort_wakes": [0, 1, 2, 3], "max_model_len": 1024}, env=env).stdout)
+        "abort_wakes": [0, 1, 2, 3], "max_model_len": 1024},
+        env={**env, "KVTIER_FAULT_SLOW_FETCH_S": "0.05"}).stdout)
     aborted, woken = second["results"][:4], second["results"][4]
     assert all(r["aborted"] for r in aborted)
     assert sum(r["fetch_in_flight"] for r in aborted) >= 3  # aborted with a fetch on its way
