@@ -21,7 +21,10 @@ pytestmark = pytest.mark.vllm
 BS = 128
 PROMPT = 1020  # 7 full blocks go to the store; decoding 8 more fills the 8th on the decoder
 HANDED = 7 * BS
-HOST = {"kv_offloading_size": 0.25, "enable_residency_details": True}
+# a decode waits up to 30 s for its prefill's blocks, as a P/D deployment sets it (unset,
+# it waits no longer than the planner says recomputing the missing blocks takes: a block
+# still on the wire through the proxy was then recomputed, the answer equal)
+HOST = {"kv_offloading_size": 0.25, "enable_residency_details": True, "kv_handoff_wait_s": 30}
 PREFILL = {"do_remote_decode": True}
 
 
