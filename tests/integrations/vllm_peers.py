@@ -98,7 +98,8 @@ def started(*peers: Peer) -> tuple[Peer, ...]:
             peer.ready()
     except BaseException:
         for peer in peers:
-            peer.kill() if peer.proc.poll() is None else None
+            if peer.proc.poll() is None:
+                peer.kill()
             peer.close()
         raise
     return peers
