@@ -72,7 +72,7 @@ def servers(mode: str, model: Path, tmp: Path, valkey_url: str) -> tuple[VllmSer
 
 
 async def one(client: Any, mode: str, p: VllmServer, d: VllmServer, prompt: list[int],
-              max_tokens: int, arrived: float) -> dict[str, Any]:
+              max_tokens: int, arrived: float, index: int) -> dict[str, Any]:
     """One request through the router: its TTFT, TPOT, text and what the decode said."""
     body: dict[str, Any] = {"model": "default", "prompt": prompt, "temperature": 0.0,
                             "ignore_eos": True}
@@ -86,8 +86,10 @@ async def one(client: Any, mode: str, p: VllmServer, d: VllmServer, prompt: list
         if params:
             body["kv_transfer_params"] = params
     else:
-        decode_url = p.url if len(prompt) % 2 else d.url  # round robin, by a fixed coin
-    stamps, text, usage, end_params = [], [], {}, None
+        decode_url = (p.url, d.url)[index % 2]  # round robin over the two instances
+    stamps: list[float] = []
+    text: list[str] = []
+    usage: dict[str, Any] = {}
     async with client.stream("POST", decode_url + "/v1/completions", json={
             **body, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}) as response:
@@ -102,14 +104,12 @@ async def one(client: Any, mode: str, p: VllmServer, d: VllmServer, prompt: list
                 if choice.get("text"):
                     stamps.append(time.perf_counter())
                     text.append(choice["text"])
-            end_params = chunk.get("kv_transfer_params") or end_params
     ttft = stamps[0] - arrived if stamps else None
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
     return {"ttft_s": ttft, "tpot_s": tpot, "prefill_s": prefill_s, "text": "".join(text),
             "end": stamps[-1],
             "output_tokens": usage.get("completion_tokens", len(stamps)),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "decode_params": end_params}
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
 async def load(mode: str, p: VllmServer, d: VllmServer, prompts: list[list[int]],
@@ -121,7 +121,8 @@ async def load(mode: str, p: VllmServer, d: VllmServer, prompts: list[list[int]]
 
         async def at(i: int) -> dict[str, Any]:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            return await one(client, mode, p, d, prompts[i], max_tokens, time.perf_counter())
+            return await one(client, mode, p, d, prompts[i], max_tokens, time.perf_counter(),
+                             i)
 
         done = await asyncio.gather(*(at(i) for i in range(len(prompts))))
     span = max(r["end"] for r in done) - start
