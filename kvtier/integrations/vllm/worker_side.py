@@ -200,7 +200,7 @@ class WorkerSide:
         loads after it when none is synchronous, and a write decided for the step would
         start a whole forward pass late), and by `load` for the rest."""
         below = [j for j in jobs if j.below_host and j.id not in self._started]
-        self._started = {j.id for j in below}  # a step's jobs come once: the last step's go
+        self._started = {j.id for j in jobs if j.below_host}  # this step's, submitted once
         if self.worker is None:  # never registered: every job fails, nothing is served
             self._results += [Result(j.id, (False,) * len(j.keys),
                                      ("no KV caches registered",) * len(j.keys), 0, 0.0)
