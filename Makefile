@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -rN --durations=25
 
 clean:
 	rm -rf $(VENV) .venv-vllm .vllm-0.34.0 .sglang-libs

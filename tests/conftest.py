@@ -126,6 +126,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ["KVTIER_CACHE_DIR"], ignore_errors=True)
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each test that failed or errored, by name, a short line each (`make test` turns
+    pytest's own summary off with -rN): CI keeps a log's tail, and pytest's summary, never
+    abridged under CI, buried the name under one assertion's diff of 60 blocks' bytes."""
+    bad = [*terminalreporter.stats.get("failed", []), *terminalreporter.stats.get("error", [])]
+    if not bad:
+        return
+    terminalreporter.section("failed, by name")
+    for report in bad:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        why = crash.message.splitlines()[0][:160] if crash is not None and crash.message else ""
+        terminalreporter.line(f"{report.when.upper() if report.when != 'call' else 'FAILED'} "
+                              f"{report.nodeid} - {why}")
+
+
 def pytest_report_header() -> str:
     import torch
 

@@ -180,11 +180,9 @@ class VllmServer:
                  peer: dict[str, Any] | None = None, python: Path = VLLM_PYTHON,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  kv_role: str = "kv_both") -> None:
-        import socket
+        from ports import free_port  # tests/ is on sys.path
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = [

@@ -41,6 +41,30 @@ def wrong(values: list[Any], items: list[tuple[bytes, bytes]]) -> int:
     return sum(isinstance(v, bytes) and v != want for v, (_, want) in zip(values, items))
 
 
+def unlike(values: list[Any], items: list[tuple[bytes, bytes]]) -> dict[int, str]:
+    """Per index, what came back instead of the value written ({} when all did): a failure
+    names the keys and what they got, not two lists of kilobytes."""
+    return {i: "other bytes" if isinstance(v, bytes) else repr(v)[:80]
+            for i, (v, (_, want)) in enumerate(zip(values, items)) if v != want}
+
+
+def served_again(store: ClusterStore, items: list[tuple[bytes, bytes]],
+                 within_s: float = 10.0) -> dict[int, str]:
+    """What `store` still answers wrong once every key should be served again (a failover
+    done): {} as soon as both reads return every value, else the last miss after
+    `within_s`. A slot map is re-read once per breaker window, a gossip round later on a
+    loaded runner; the values are never wrong meanwhile (asserted)."""
+    keys = [k for k, _ in items]
+    deadline = time.monotonic() + within_s
+    while True:
+        got, landed = store.get_many(keys), into(store, keys)
+        assert wrong(got, items) == 0 and wrong(landed, items) == 0
+        missed = {**unlike(got, items), **unlike(landed, items)}
+        if not missed or time.monotonic() > deadline:
+            return missed
+        time.sleep(0.1)
+
+
 # -- URLs ---------------------------------------------------------------------------------
 
 def test_cluster_urls_parse() -> None:
@@ -95,7 +119,7 @@ def test_built_lazily_misses_until_the_cluster_is_up(redis_cluster_factory: Any)
     try:
         items = blocks(30)
         assert store.put_many(items) == [None] * 30
-        assert store.get_many([k for k, _ in items]) == [v for _, v in items]
+        assert unlike(store.get_many([k for k, _ in items]), items) == {}
         assert store.exists_many([b"absent"]) == [False]
         assert store.delete_many([k for k, _ in items[:5]]) == 5
     finally:
@@ -146,7 +170,7 @@ def test_refused_credentials_are_a_config_error(redis_cluster_factory: Any, give
         good.check()
         items = blocks(3)
         assert good.put_many(items) == [None] * 3
-        assert into(good, [k for k, _ in items]) == [v for _, v in items]  # AUTH on each node
+        assert unlike(into(good, [k for k, _ in items]), items) == {}  # AUTH on each node
     finally:
         good.close()
 
@@ -210,10 +234,8 @@ def test_replica_reads_bridge_the_failover_window(redis_cluster_factory: Any) ->
                 missed[name] += sum(isinstance(v, RemoteUnavailable) for v in got)
             time.sleep(0.05)
         cluster.wait_promoted(heir)
-        time.sleep(1.1)  # past the breaker window: the slot map is read again
         for store in (plain, replicas):
-            assert store.get_many(keys) == [v for _, v in items]
-            assert into(store, keys) == [v for _, v in items]
+            assert served_again(store, items) == {}
     finally:
         plain.close()
         replicas.close()
@@ -254,8 +276,7 @@ def test_manual_failover_under_load_raises_nothing(redis_cluster_factory: Any) -
         worker.join()
     try:
         assert errors == [] and seen["wrong"] == 0 and seen["calls"] > 5
-        assert store.get_many(keys) == [v for _, v in items]  # MOVED followed to the heir
-        assert into(store, keys) == [v for _, v in items]
+        assert served_again(store, items) == {}  # MOVED followed to the heir
     finally:
         store.close()
 
@@ -274,8 +295,8 @@ def test_a_slot_migration_is_followed_through_ask_and_moved(redis_cluster_factor
         cluster._ask(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.port])
         cluster._ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.port])
         cluster._ask(source, "MIGRATE", "127.0.0.1", target.port, name, 0, 5000)
-        assert store.get_many([k for k, _ in items]) == [v for _, v in items]  # via ASK
-        assert into(store, [k for k, _ in items]) == [v for _, v in items]
+        assert unlike(store.get_many([k for k, _ in items]), items) == {}  # via ASK
+        assert unlike(into(store, [k for k, _ in items]), items) == {}
         for node in cluster.masters():
             cluster._ask(node, "CLUSTER", "SETSLOT", slot, "NODE", ids[target.port])
         assert into(store, [key]) == [value]  # via MOVED (the rows' own connections)
