@@ -181,6 +181,10 @@ def main() -> None:
     model, arg = sys.argv[1], sys.argv[2]
     spec = json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # read at torch's import, which a
+        import torch._dynamo.config  # zygote did before this run's environment was set
+
+        torch._dynamo.config.disable = True
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt

@@ -28,6 +28,9 @@ MARK = "KVTIER_RESULT "
 # The connector's two roles stay two objects joined only by metadata, but nothing crosses a
 # process: test_vllm.py keeps the real split; scenarios about what is stored use this.
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# vLLM's sampler torch.compiles the count behind each logprob's rank on its first use: 2.5 s
+# of every run here (~50 a suite), for integers eager torch counts the same
+NO_COMPILE = {"TORCH_COMPILE_DISABLE": "1"}
 PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 
 
@@ -55,7 +58,7 @@ def run_vllm(python: Path, model: Path, spec: dict[str, Any], env: dict[str, str
         json.dump(spec, f)
         f.flush()
         argv = [str(DRIVER), str(model), "@" + f.name]
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, **NO_COMPILE, **(env or {})}
         zygote = os.environ.get(ZYGOTE_SOCKET)
         if zygote and Path(python) == VLLM_PYTHON:
             proc = forked_run(zygote, argv, full_env)
