@@ -142,8 +142,8 @@ def test_the_decoder_writes_its_decode_blocks_back_for_the_next_turn_anywhere(
 def test_a_producer_killed_mid_write_leaves_nothing_served_wrong(pair: Pair) -> None:
     # last in the module: engine a is gone after it
     if pair.proxy is None:
-        pytest.skip("the shared directory renames each block into place whole; a write is "
-                    "slowed only on the wire to Valkey")
+        pytest.skip("a write is slowed only on the wire to Valkey; a shared-directory "
+                    "writer killed mid-block: tests/tier/stores/test_disk_kill.py")
     prompt = pair.prompt()
     pair.proxy.request_rate = 2_000_000  # 2 MB/s: a 5.9 MB block takes 3 s to write
     handoff = pair.a.ask(prompt, max_tokens=1, kv_params=PREFILL)["kv_transfer_params"]
