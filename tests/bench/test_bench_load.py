@@ -56,15 +56,16 @@ def measured(tiny: LoadedModel) -> tuple[Any, dict[str, Any]]:
 def test_time_scale_auto_lands_near_its_target_utilisation(
         tiny: LoadedModel, measured: tuple[Any, dict[str, Any]]) -> None:
     trace, auto = measured
-    # The median of three replays, within 25% of the target. The probe and each replay are
-    # about one second of engine time on 2 shared cores, and a replay's utilisation is its
-    # busy time (which grows when the machine is slower than during the probe) over a wall
-    # time fixed by the arrivals. Alone it reads 0.69-0.87 here; in CI the median read 0.848
-    # and 0.844 (two runs of the full suite) against a 20% bound of 0.84.
+    # The median of three replays, from 25% under the target to 30% over it. The probe and
+    # each replay are about one second of engine time on 2 shared cores, and a replay's
+    # utilisation is its busy time (which grows when the machine is slower than during the
+    # probe) over a wall time fixed by the arrivals. Alone it reads 0.69-0.87 here; in CI the
+    # median read 0.848 and 0.844 (two runs of the full suite), 3% under a 25% bound (0.875).
+    # Above, "not saturated" holds it under 0.9 anyway; a factor off by 2x reads 0.35 or >1.
     runs = sorted((replay(tiny, trace, auto["factor"]) for _ in range(3)),
                   key=lambda r: r["utilisation"])
     got = runs[1]
-    assert 0.7 * 0.75 <= got["utilisation"] <= 0.7 * 1.25, (auto, runs)
+    assert 0.7 * 0.75 <= got["utilisation"] <= 0.7 * 1.3, (auto, runs)
     assert not got["saturated"]
 
 
