@@ -137,8 +137,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for report in bad:
         crash = getattr(report.longrepr, "reprcrash", None)
         why = crash.message.splitlines()[0][:160] if crash is not None and crash.message else ""
-        terminalreporter.line(f"{report.when.upper() if report.when != 'call' else 'FAILED'} "
-                              f"{report.nodeid} - {why}")
+        said = "FAILED" if report.when == "call" else f"ERROR at {report.when}"
+        terminalreporter.line(f"{said} {report.nodeid} - {why}")
 
 
 def pytest_report_header() -> str:

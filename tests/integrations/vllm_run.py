@@ -28,8 +28,8 @@ MARK = "KVTIER_RESULT "
 # The connector's two roles stay two objects joined only by metadata, but nothing crosses a
 # process: test_vllm.py keeps the real split; scenarios about what is stored use this.
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# vLLM's sampler torch.compiles the count behind each logprob's rank on its first use: 2.5 s
-# of every run here (~50 a suite), for integers eager torch counts the same
+# vLLM's sampler torch.compiles the count behind each logprob's rank on its first use: 1.3-2.5
+# s of every run here (~50 a suite), for integers eager torch counts the same
 NO_COMPILE = {"TORCH_COMPILE_DISABLE": "1"}
 PROMPT_TOKENS = 1024  # 8 full 128-token blocks: vLLM computes the last one again
 
