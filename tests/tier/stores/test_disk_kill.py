@@ -43,6 +43,19 @@ while True:
 """
 
 
+def kill_mid_stream(delay_s: float, script: str, *args: object) -> None:
+    """Run the writer `script` with `args`, and SIGKILL it `delay_s` after it said ready."""
+    child = subprocess.Popen([sys.executable, "-c", script, *map(str, args)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        time.sleep(delay_s)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
 def expected(key: bytes) -> bytes:
     return hashlib.shake_128(key).digest(PAYLOAD)
 
@@ -51,15 +64,7 @@ def expected(key: bytes) -> bytes:
 def test_a_writer_killed_mid_stream_leaves_only_blocks_that_verify(tmp_path: Path,
                                                                    delay_s: float) -> None:
     directory = tmp_path / "kv"
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(SLOTS), str(PAYLOAD),
-                              str(BLOCK), str(directory)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        time.sleep(delay_s)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=30)
+    kill_mid_stream(delay_s, WRITER, SLOTS, PAYLOAD, BLOCK, directory)
     store = DiskStore(directory, SLOTS, PAYLOAD, max_header_nbytes(BLOCK))  # its lock is free
     try:
         found = store.scan()
@@ -100,15 +105,7 @@ while True:
 def test_a_shared_directory_writer_killed_mid_stream_leaves_whole_blocks(
         tmp_path: Path, delay_s: float) -> None:
     root = tmp_path / "shared"
-    child = subprocess.Popen([sys.executable, "-c", FS_WRITER, str(FS_PAYLOAD), str(root)],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        time.sleep(delay_s)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=30)
+    kill_mid_stream(delay_s, FS_WRITER, FS_PAYLOAD, root)
     try:
         check_whole(root)
     finally:
