@@ -11,20 +11,20 @@ LOWEST_PORT = 10000
 _handed: set[int] = set()  # this process's picks: a stopped server may start on it again
 
 
-def ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for clients' source ports (Linux's default where unreadable)."""
+def ephemeral_low() -> int:
+    """Where the kernel's range for clients' source ports starts (Linux's default where
+    unreadable)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
     """A loopback port nobody listens on, picked below the ephemeral range: one picked by
     bind(0) lies inside it, where any client connection may take it as its source port
     before the server binds it (seen: a cluster node's bus port taken by a sibling's link)."""
-    low, _ = ephemeral_ports()
+    low = ephemeral_low()
     rng = random.Random()
     for _ in range(1000 if low > LOWEST_PORT + 1000 else 0):
         port = rng.randrange(LOWEST_PORT, low)
